@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make dev` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: dev test lint typecheck bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+# The whole system on an embedded PostgreSQL under .gpuq/ (Ctrl-C to stop).
+dev: $(STAMP)
+	$(BIN)/gpuq dev
+
+# Lint, then the whole suite on a throwaway PostgreSQL cluster (or $$DATABASE_URL,
+# whose gpuq schema the tests drop and recreate). pytest's exit code 5 ("no
+# tests collected") is non-zero, so make fails on it like on any failure.
+test: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+
+typecheck: $(STAMP)
+	$(BIN)/mypy src/gpuq
+
+bench: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	$(BIN)/gpuq bench all
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

@@ -1,0 +1,240 @@
+"""Embedded PostgreSQL: a private cluster started from the installed server binaries.
+
+Used by ``gpuq dev`` (a persistent cluster under ``.gpuq/``) and by the test
+suite (a throwaway cluster with durability switched off). No service needs to
+be running: we ``initdb`` and ``pg_ctl start`` our own server on a free
+127.0.0.1 port with a private socket directory.
+
+PostgreSQL refuses to run as root, so when we are root the server runs as an
+unprivileged user (``postgres`` if it exists, else ``nobody``) and the data
+directory is handed to that user.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+INSTALL_HINT = (
+    "PostgreSQL server binaries (initdb, pg_ctl, postgres) not found. "
+    "Install them with `apt-get install postgresql` (Debian/Ubuntu), or set "
+    "GPUQ_PG_BINDIR to the directory that holds them, or set DATABASE_URL to use "
+    "an existing server."
+)
+
+# Settings for every embedded cluster: loopback only, enough connections for
+# several dispatchers, agents and benches on one machine.
+BASE_SETTINGS = {
+    "listen_addresses": "'127.0.0.1'",
+    "max_connections": "300",
+    "shared_buffers": "256MB",
+    "log_min_messages": "warning",
+    "log_min_error_statement": "panic",
+}
+# A throwaway cluster does not need to survive a power cut.
+FAST_SETTINGS = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
+
+
+class DevDBError(RuntimeError):
+    """The embedded cluster could not be found, created, started or stopped."""
+
+
+def find_bindir() -> Path:
+    """Locate the directory holding initdb/pg_ctl/postgres, or raise with the install hint."""
+    candidates: list[str] = []
+    if env := os.environ.get("GPUQ_PG_BINDIR"):
+        candidates.append(env)
+    if shutil.which("pg_config"):
+        try:
+            out = subprocess.run(["pg_config", "--bindir"], capture_output=True, text=True, check=True)
+            candidates.append(out.stdout.strip())
+        except (OSError, subprocess.CalledProcessError):
+            pass
+    # Debian puts the server binaries outside PATH; prefer the newest version.
+    candidates += sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=_version_key, reverse=True)
+    if initdb := shutil.which("initdb"):
+        candidates.append(str(Path(initdb).resolve().parent))
+    for cand in candidates:
+        if all((Path(cand) / tool).exists() for tool in ("initdb", "pg_ctl", "postgres")):
+            return Path(cand)
+    raise DevDBError(INSTALL_HINT)
+
+
+def _version_key(path: str) -> float:
+    try:
+        return float(Path(path).parent.name)
+    except ValueError:
+        return 0.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _server_user() -> str | None:
+    """The user the server runs as: None (ourselves) unless we are root."""
+    if os.geteuid() != 0:
+        return None
+    for name in ("postgres", "nobody"):
+        try:
+            pwd.getpwnam(name)
+            return name
+        except KeyError:
+            continue
+    raise DevDBError("running as root and no unprivileged user (postgres/nobody) exists to run PostgreSQL")
+
+
+@dataclass
+class Cluster:
+    """One PostgreSQL cluster living in ``data_dir``."""
+
+    data_dir: Path
+    fast: bool = False
+    port: int = 0
+    bindir: Path = field(default_factory=find_bindir)
+    user: str | None = field(default_factory=_server_user)
+    socket_dir: Path | None = None
+
+    @property
+    def dsn(self) -> str:
+        return f"postgresql://gpuq@127.0.0.1:{self.port}/postgres"
+
+    @property
+    def log_file(self) -> Path:
+        return self.data_dir / "server.log"
+
+    # -- lifecycle -------------------------------------------------------
+
+    def ensure_started(self) -> str:
+        """Create the cluster if needed, start it if not running; return its DSN."""
+        if not (self.data_dir / "PG_VERSION").exists():
+            self._initdb()
+        if self.is_running():
+            self.port = self._running_port()
+        else:
+            self._start()
+        return self.dsn
+
+    def stop(self, mode: str = "fast") -> None:
+        if self.is_running():
+            self._pg_ctl("stop", "-m", mode, "-w", "-t", "60")
+
+    def restart(self, mode: str = "fast") -> None:
+        """Restart on the same port (``mode='immediate'`` simulates a crash)."""
+        self._pg_ctl("restart", "-m", mode, "-w", "-t", "60", "-o", self._server_options())
+
+    def destroy(self) -> None:
+        """Stop the server and delete its data (throwaway clusters)."""
+        self.stop("immediate")
+        shutil.rmtree(self.data_dir.parent if self.fast else self.data_dir, ignore_errors=True)
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+    def is_running(self) -> bool:
+        if not (self.data_dir / "postmaster.pid").exists():
+            return False
+        res = self._run([str(self.bindir / "pg_ctl"), "-D", str(self.data_dir), "status"], check=False)
+        return res.returncode == 0
+
+    # -- steps -----------------------------------------------------------
+
+    def _initdb(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._hand_over(self.data_dir)
+        self._run([str(self.bindir / "initdb"), "-D", str(self.data_dir), "-U", "gpuq",
+                   "--auth=trust", "-E", "UTF8", "--no-locale", "--no-instructions"])
+        settings = dict(BASE_SETTINGS, **(FAST_SETTINGS if self.fast else {}))
+        with open(self.data_dir / "postgresql.conf", "a") as conf:
+            conf.write("\n# gpuq embedded cluster\n")
+            conf.writelines(f"{k} = {v}\n" for k, v in settings.items())
+
+    def _start(self) -> None:
+        if not self.port:
+            self.port = free_port()
+        if self.socket_dir is None:
+            # Unix socket paths are limited to ~107 bytes: keep it short, in /tmp.
+            self.socket_dir = Path(tempfile.mkdtemp(prefix="gpuq-sock-"))
+            self._hand_over(self.socket_dir)
+        try:
+            self._pg_ctl("start", "-w", "-t", "60", "-l", str(self.log_file), "-o", self._server_options())
+        except DevDBError as exc:
+            raise DevDBError(f"{exc}\n{self._log_tail()}") from None
+
+    def _server_options(self) -> str:
+        return f"-p {self.port} -k {self.socket_dir}"
+
+    def _running_port(self) -> int:
+        # Line 4 of postmaster.pid is the port the running server listens on.
+        lines = (self.data_dir / "postmaster.pid").read_text().splitlines()
+        return int(lines[3])
+
+    def _pg_ctl(self, *args: str) -> None:
+        self._run([str(self.bindir / "pg_ctl"), "-D", str(self.data_dir), *args])
+
+    def _hand_over(self, path: Path) -> None:
+        """Give a directory to the server user so an unprivileged server can use it."""
+        if self.user is None:
+            return
+        pw = pwd.getpwnam(self.user)
+        os.chown(path, pw.pw_uid, pw.pw_gid)
+        path.chmod(0o700)
+        probe = self._run(["test", "-w", str(path)], check=False)
+        if probe.returncode != 0:
+            raise DevDBError(
+                f"PostgreSQL runs as user {self.user!r} (it refuses root) but that user cannot "
+                f"reach {path}: make its parent directories world-traversable (chmod o+x) or "
+                f"choose another location."
+            )
+
+    def _run(self, cmd: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, cwd="/", env=_server_env(),
+                                 **_drop_privileges(self.user))
+        except OSError as exc:
+            raise DevDBError(f"cannot run {cmd[0]}: {exc}") from None
+        if check and res.returncode != 0:
+            raise DevDBError(f"{Path(cmd[0]).name} failed: {(res.stderr or res.stdout).strip()}")
+        return res
+
+    def _log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_file.read_text().splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def _drop_privileges(user: str | None) -> dict[str, object]:
+    if user is None:
+        return {}
+    pw = pwd.getpwnam(user)
+    return {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
+
+
+def _server_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    env["LC_ALL"] = "C"
+    return env
+
+
+def throwaway_cluster() -> Cluster:
+    """A fast, disposable cluster in a fresh temporary directory (for tests and benches)."""
+    root = Path(tempfile.mkdtemp(prefix="gpuq-pg-"))
+    root.chmod(0o755)
+    return Cluster(root / "data", fast=True)
+
+
+def dev_cluster(base: Path | None = None) -> Cluster:
+    """The persistent development cluster under ``.gpuq/`` (data kept across runs)."""
+    base = (base or Path.cwd() / ".gpuq").resolve()
+    base.mkdir(parents=True, exist_ok=True)
+    base.chmod(0o755)
+    return Cluster(base / "pgdata")

@@ -1,0 +1,115 @@
+"""Schema migrations: plain SQL files in ``migrations/``, applied in order.
+
+Each file runs in its own transaction; a session advisory lock makes
+concurrent migrators take turns; ``gpuq.schema_migrations`` records what was
+applied with a checksum, so a changed file that was already applied is an
+error rather than a silent drift.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+
+from gpuq.db import connect
+
+# Arbitrary constant: "gpuq" in ASCII. Held for the whole run.
+LOCK_KEY = 0x67707571
+FILE_PATTERN = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
+
+BOOTSTRAP = """
+CREATE SCHEMA IF NOT EXISTS gpuq;
+CREATE TABLE IF NOT EXISTS gpuq.schema_migrations (
+    version    text PRIMARY KEY,
+    name       text NOT NULL,
+    checksum   text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+"""
+
+
+class MigrationError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: str
+    name: str
+    sql: str
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.sql.encode()).hexdigest()
+
+
+def migrations_dir() -> Path:
+    """``$GPUQ_MIGRATIONS``, else the repository's top-level ``migrations/``."""
+    if env := os.environ.get("GPUQ_MIGRATIONS"):
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "migrations"
+
+
+def load_migrations(directory: Path | None = None) -> list[Migration]:
+    directory = directory or migrations_dir()
+    if not directory.is_dir():
+        raise MigrationError(f"migrations directory not found: {directory} (set GPUQ_MIGRATIONS)")
+    found = []
+    for path in sorted(directory.glob("*.sql")):
+        m = FILE_PATTERN.match(path.name)
+        if not m:
+            raise MigrationError(f"bad migration file name {path.name!r}: expected NNNN_name.sql")
+        found.append(Migration(m.group(1), path.name, path.read_text()))
+    versions = [m.version for m in found]
+    if len(set(versions)) != len(versions):
+        raise MigrationError(f"duplicate migration versions in {directory}")
+    return found
+
+
+async def migrate(dsn: str, directory: Path | None = None) -> list[str]:
+    """Apply every migration not yet applied; return the names applied now."""
+    wanted = load_migrations(directory)
+    conn = await connect(dsn)
+    try:
+        await conn.execute("SELECT pg_advisory_lock($1)", LOCK_KEY)
+        try:
+            await conn.execute(BOOTSTRAP)
+            applied = await _applied(conn)
+            done = []
+            for mig in wanted:
+                if mig.version in applied:
+                    if applied[mig.version] != mig.checksum:
+                        raise MigrationError(
+                            f"migration {mig.name} was changed after it was applied "
+                            f"(checksum mismatch); add a new migration instead"
+                        )
+                    continue
+                async with conn.transaction():
+                    await conn.execute(mig.sql)
+                    await conn.execute(
+                        "INSERT INTO gpuq.schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
+                        mig.version, mig.name, mig.checksum,
+                    )
+                done.append(mig.name)
+            return done
+        finally:
+            await conn.execute("SELECT pg_advisory_unlock($1)", LOCK_KEY)
+    finally:
+        await conn.close()
+
+
+async def pending_migrations(conn: asyncpg.Connection, directory: Path | None = None) -> list[str]:
+    """Names of migrations not yet applied to this database (empty = up to date)."""
+    exists = await conn.fetchval("SELECT to_regclass('gpuq.schema_migrations') IS NOT NULL")
+    applied = await _applied(conn) if exists else {}
+    return [m.name for m in load_migrations(directory) if m.version not in applied]
+
+
+async def _applied(conn: asyncpg.Connection) -> dict[str, str]:
+    rows = await conn.fetch("SELECT version, checksum FROM gpuq.schema_migrations")
+    return {r["version"]: r["checksum"] for r in rows}
