@@ -1,0 +1,53 @@
+"""structlog setup: one JSON object per line, or console rendering on a terminal.
+
+Every job event carries its ids as keys (``job_id``, ``agent``, ``kind``,
+``batch``) so ops can filter with ``jq``; the event name is a short
+snake_case verb phrase such as ``job_leased`` or ``lease_rejected``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import structlog
+
+FORMATS = ("auto", "json", "console")
+
+
+def configure(fmt: str | None = None, level: str | None = None, stream: Any = None) -> None:
+    """Configure structlog for the process (``GPUQ_LOG_FORMAT``, ``GPUQ_LOG_LEVEL``)."""
+    fmt = (fmt or os.environ.get("GPUQ_LOG_FORMAT") or "auto").lower()
+    if fmt not in FORMATS:
+        raise ValueError(f"log format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    level_name = (level or os.environ.get("GPUQ_LOG_LEVEL") or "info").upper()
+    numeric = logging.getLevelName(level_name)
+    if not isinstance(numeric, int):
+        raise ValueError(f"unknown log level {level_name!r}")
+    stream = stream or sys.stdout
+    if fmt == "auto":
+        fmt = "console" if getattr(stream, "isatty", lambda: False)() else "json"
+    renderer: Any = (
+        structlog.dev.ConsoleRenderer(colors=True)
+        if fmt == "console"
+        else structlog.processors.JSONRenderer()
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(stream),
+        cache_logger_on_first_use=False,
+    )
+
+
+def get(name: str) -> Any:
+    """A logger whose events all carry ``logger=name``."""
+    return structlog.get_logger().bind(logger=name)

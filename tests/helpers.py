@@ -1,0 +1,51 @@
+"""Small helpers shared by tests (no fixtures here: see conftest.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+
+
+async def seed_history(conn: Any, n: int, kind: str = "train", status: str = "done") -> None:
+    """Insert ``n`` finished rows in one statement (no pending kinds: no NOTIFY)."""
+    await conn.execute(
+        """
+        INSERT INTO gpuq.jobs (kind, payload, status, attempts, finished_at, result)
+        SELECT $1, jsonb_build_object('i', g), $3::gpuq.job_status, 1, now(), '{"ok": true}'
+        FROM generate_series(1, $2) g
+        """,
+        kind, n, status,
+    )
+
+
+async def add_pending(conn: Any, n: int, kind: str = "train", priority: int = 0) -> list[int]:
+    rows = await conn.fetch(
+        """
+        INSERT INTO gpuq.jobs (kind, payload, priority)
+        SELECT $1, jsonb_build_object('i', g), $3 FROM generate_series(1, $2) g
+        RETURNING id
+        """,
+        kind, n, priority,
+    )
+    return [r["id"] for r in rows]
+
+
+async def job(conn: Any, job_id: int) -> Any:
+    return await conn.fetchrow("SELECT * FROM gpuq.jobs WHERE id = $1", job_id)
+
+
+async def expire_leases(conn: Any, ids: list[int] | None = None) -> None:
+    """Move lease expiry into the past (instead of sleeping through it)."""
+    await conn.execute(
+        "UPDATE gpuq.jobs SET lease_expires_at = now() - interval '1 second' "
+        "WHERE status = 'leased' AND ($1::bigint[] IS NULL OR id = ANY($1))",
+        ids,
+    )
+
+
+async def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> None:
+    """Poll an async predicate until it is true; fail the test on timeout."""
+    with anyio.fail_after(timeout):
+        while not await predicate():
+            await anyio.sleep(interval)
