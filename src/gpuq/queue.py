@@ -178,12 +178,14 @@ async def _enqueue_dedup(db: DB, jobs: Sequence[NewJob]) -> list[int]:
 # Phase 1: claim pending rows. One index probe per kind on
 # jobs_pending_idx (kind, priority DESC, id) WHERE status='pending', each
 # reading at most $2 entries; SKIP LOCKED keeps concurrent leasers disjoint.
+# The UPDATE finds the locked rows by ctid (a TID scan: no primary-key descent
+# per row, which would deepen with history); a row we hold locked cannot move.
 _LEASE_PENDING = """
 WITH picked AS (
-    SELECT c.id
+    SELECT c.ctid
     FROM unnest($1::text[]) AS k(kind)
     CROSS JOIN LATERAL (
-        SELECT id, priority FROM gpuq.jobs
+        SELECT ctid, id, priority FROM gpuq.jobs
         WHERE status = 'pending' AND kind = k.kind
         ORDER BY priority DESC, id
         LIMIT $2
@@ -195,8 +197,7 @@ WITH picked AS (
 UPDATE gpuq.jobs j
 SET status = 'leased', attempts = j.attempts + 1, lease_token = gen_random_uuid(),
     leased_by = $3, lease_expires_at = now() + make_interval(secs => $4), started_at = now()
-FROM picked
-WHERE j.id = picked.id
+WHERE j.ctid = ANY(ARRAY(SELECT ctid FROM picked))
 RETURNING j.id, j.kind, j.payload, j.attempts, j.max_attempts, j.lease_token, j.priority
 """
 
@@ -244,7 +245,8 @@ async def lease(db: DB, kinds: Sequence[str], n: int, agent: str, lease_seconds:
         return LeaseResult([])
     kinds = list(kinds)
     rows = await db.fetch(_LEASE_PENDING, kinds, n, agent, float(lease_seconds))
-    jobs = [_leased(r) for r in rows]
+    # UPDATE ... RETURNING does not keep the pick order: restore dispatch order.
+    jobs = sorted((_leased(r) for r in rows), key=lambda j: (-j.priority, j.id))
     if len(jobs) >= n:
         return LeaseResult(jobs)
     rows = await db.fetch(_LEASE_EXPIRED, kinds, n - len(jobs), agent, float(lease_seconds))
@@ -271,10 +273,17 @@ async def explain_lease_pending(conn: Any, kinds: Sequence[str], n: int) -> dict
     return dict(plan)
 
 
-def plan_buffers(plan: dict[str, Any]) -> int:
-    """Shared buffers (hit + read) the executed plan touched, planning excluded."""
-    top = plan["Plan"]
-    return int(top.get("Shared Hit Blocks", 0)) + int(top.get("Shared Read Blocks", 0))
+def plan_buffers(plan: dict[str, Any], *, reads_only: bool = False) -> int:
+    """Shared buffers (hit + read) the executed plan touched, planning excluded.
+
+    ``reads_only``: only the finding and locking of the rows (the ``picked``
+    CTE), not the writing of new row versions and their index entries, whose
+    B-tree descent grows (logarithmically) with the table like any insert's.
+    """
+    nodes = [plan["Plan"]]
+    if reads_only:
+        nodes = [n for n in plan["Plan"].get("Plans", []) if n.get("Subplan Name") == "CTE picked"]
+    return sum(int(n.get("Shared Hit Blocks", 0)) + int(n.get("Shared Read Blocks", 0)) for n in nodes)
 
 
 def plan_indexes(plan: dict[str, Any]) -> set[str]:
