@@ -7,6 +7,7 @@ drop it, so never point DATABASE_URL at a database whose queue you want.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator, Iterator
 
@@ -16,6 +17,7 @@ import pytest
 from gpuq import db
 from gpuq.devdb import Cluster, DevDBError, throwaway_cluster
 from gpuq.migrate import migrate
+from gpuq.queue import NOTIFY_CHANNEL
 
 
 @pytest.fixture(scope="session")
@@ -65,5 +67,38 @@ async def conn(dsn: str) -> AsyncIterator[asyncpg.Connection]:
     c = await db.connect(dsn)
     try:
         yield c
+    finally:
+        await c.close()
+
+
+class Notifications:
+    """Payloads received on the gpuq_jobs channel by a dedicated LISTEN connection."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[str] = asyncio.Queue()
+
+    def _on_notify(self, _conn: object, _pid: int, _channel: str, payload: str) -> None:
+        self.queue.put_nowait(payload)
+
+    async def next(self, timeout: float = 5.0) -> str:
+        return await asyncio.wait_for(self.queue.get(), timeout)
+
+    async def drain(self, settle: float = 0.3) -> list[str]:
+        """Everything received until nothing more arrives for ``settle`` seconds."""
+        got = []
+        while True:
+            try:
+                got.append(await asyncio.wait_for(self.queue.get(), settle))
+            except TimeoutError:
+                return got
+
+
+@pytest.fixture
+async def notifications(dsn: str) -> AsyncIterator[Notifications]:
+    n = Notifications()
+    c = await db.connect(dsn)
+    await c.add_listener(NOTIFY_CHANNEL, n._on_notify)
+    try:
+        yield n
     finally:
         await c.close()

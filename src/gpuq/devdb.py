@@ -46,25 +46,42 @@ class DevDBError(RuntimeError):
     """The embedded cluster could not be found, created, started or stopped."""
 
 
-def find_bindir() -> Path:
-    """Locate the directory holding initdb/pg_ctl/postgres, or raise with the install hint."""
-    candidates: list[str] = []
+SERVER_TOOLS = ("initdb", "pg_ctl", "postgres")
+
+
+def find_bindir(candidates: list[str] | None = None) -> Path:
+    """Locate the directory holding initdb/pg_ctl/postgres, or raise with the install hint.
+
+    ``$GPUQ_PG_BINDIR``, when set, is the only place looked at (so a wrong
+    value is an error, not silently another server version).
+    """
     if env := os.environ.get("GPUQ_PG_BINDIR"):
-        candidates.append(env)
+        if _has_server_tools(env):
+            return Path(env)
+        raise DevDBError(f"GPUQ_PG_BINDIR={env} does not hold {', '.join(SERVER_TOOLS)}. {INSTALL_HINT}")
+    for cand in _system_candidates() if candidates is None else candidates:
+        if _has_server_tools(cand):
+            return Path(cand)
+    raise DevDBError(INSTALL_HINT)
+
+
+def _has_server_tools(directory: str) -> bool:
+    return all((Path(directory) / tool).is_file() for tool in SERVER_TOOLS)
+
+
+def _system_candidates() -> list[str]:
+    found: list[str] = []
     if shutil.which("pg_config"):
         try:
             out = subprocess.run(["pg_config", "--bindir"], capture_output=True, text=True, check=True)
-            candidates.append(out.stdout.strip())
+            found.append(out.stdout.strip())
         except (OSError, subprocess.CalledProcessError):
             pass
     # Debian puts the server binaries outside PATH; prefer the newest version.
-    candidates += sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=_version_key, reverse=True)
+    found += sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=_version_key, reverse=True)
     if initdb := shutil.which("initdb"):
-        candidates.append(str(Path(initdb).resolve().parent))
-    for cand in candidates:
-        if all((Path(cand) / tool).exists() for tool in ("initdb", "pg_ctl", "postgres")):
-            return Path(cand)
-    raise DevDBError(INSTALL_HINT)
+        found.append(str(Path(initdb).resolve().parent))
+    return found
 
 
 def _version_key(path: str) -> float:

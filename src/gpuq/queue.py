@@ -81,9 +81,9 @@ class Backoff:
 # run_at is the given time, else now() + delay; a row whose run_at is in the
 # future starts 'scheduled' and the sweeper promotes it when due.
 _INPUT = """
-    SELECT kind, coalesce(payload, '{}'::jsonb) AS payload, priority, max_attempts,
+    SELECT kind, coalesce(payload::jsonb, '{}'::jsonb) AS payload, priority, max_attempts,
            coalesce(run_at, now() + make_interval(secs => delay)) AS run_at, dedup_key, ord
-    FROM unnest($1::text[], $2::jsonb[], $3::smallint[], $4::int[], $5::timestamptz[],
+    FROM unnest($1::text[], $2::text[], $3::smallint[], $4::int[], $5::timestamptz[],
                 $6::float8[], $7::text[])
         WITH ORDINALITY AS t(kind, payload, priority, max_attempts, run_at, delay, dedup_key, ord)
 """
@@ -97,7 +97,7 @@ SELECT kind, payload, priority, max_attempts, run_at, {_STATUS_FOR_RUN_AT}
 FROM ({_INPUT}) AS input
 ORDER BY ord
 RETURNING id
-"""
+"""  # noqa: S608 (composed of module constants only)
 
 # With dedup keys (all distinct, all non-null): a key that already has a live
 # job is skipped by ON CONFLICT and its slot gets the live job's id. Rows are
@@ -118,12 +118,12 @@ LEFT JOIN ins USING (dedup_key)
 LEFT JOIN gpuq.jobs live ON ins.id IS NULL AND live.dedup_key = input.dedup_key
     AND live.status IN ('pending', 'leased', 'scheduled')
 ORDER BY input.ord
-"""
+"""  # noqa: S608 (composed of module constants only)
 
 
 def _columns(jobs: Sequence[NewJob]) -> tuple[list[Any], ...]:
     return (
-        [j.kind for j in jobs], [j.payload for j in jobs], [j.priority for j in jobs],
+        [j.kind for j in jobs], [_json(j.payload) for j in jobs], [j.priority for j in jobs],
         [j.max_attempts for j in jobs], [j.run_at for j in jobs],
         [float(j.delay_seconds) for j in jobs], [j.dedup_key for j in jobs],
     )
@@ -313,8 +313,8 @@ def _leased(r: Any) -> LeasedJob:
 
 _COMPLETE_MANY = """
 UPDATE gpuq.jobs j
-SET status = 'done', result = d.result, finished_at = now(), lease_expires_at = NULL
-FROM unnest($1::bigint[], $2::uuid[], $3::jsonb[]) AS d(id, token, result)
+SET status = 'done', result = d.result::jsonb, finished_at = now(), lease_expires_at = NULL
+FROM unnest($1::bigint[], $2::uuid[], $3::text[]) AS d(id, token, result)
 WHERE j.id = d.id AND j.status = 'leased' AND j.lease_token = d.token
 RETURNING j.id
 """
@@ -330,7 +330,7 @@ async def complete_many(db: DB, results: Iterable[tuple[int, str, Any]]) -> set[
     for job_id, token, result in results:
         ids.append(job_id)
         tokens.append(token)
-        values.append(result)
+        values.append(_json(result))
     if not ids:
         return set()
     rows = await db.fetch(_COMPLETE_MANY, ids, tokens, values)
@@ -543,7 +543,7 @@ async def min_job_id(db: DB) -> int | None:
 
 # Each branch is answered from its own partial index; done/dead rows are
 # never visited. (GROUP BY over the whole table is what stalled the old system.)
-_STATUS_COUNTS = """
+STATUS_COUNTS_SQL = """
 SELECT 'pending' AS status, kind, count(*) AS n, min(created_at) AS oldest
   FROM gpuq.jobs WHERE status = 'pending' GROUP BY kind
 UNION ALL
@@ -578,7 +578,7 @@ class StatusCounts:
 
 
 async def status_counts(db: DB) -> StatusCounts:
-    rows = await db.fetch(_STATUS_COUNTS)
+    rows = await db.fetch(STATUS_COUNTS_SQL)
     now = await db.fetchval("SELECT now()")
     live: dict[str, dict[str, int]] = {s: {} for s in LIVE_STATES}
     oldest = None
@@ -591,5 +591,6 @@ async def status_counts(db: DB) -> StatusCounts:
     return StatusCounts(live, (now - oldest).total_seconds() if oldest else None, max(0, estimate - n_live))
 
 
-def dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"))
+def _json(value: Any) -> str | None:
+    """JSON text for a jsonb array element (asyncpg would read a list as a nested array)."""
+    return None if value is None else json.dumps(value, separators=(",", ":"))

@@ -1,0 +1,126 @@
+"""Completion, failure, heartbeat, release and cancel: all fenced by the lease."""
+
+from datetime import timedelta
+
+from gpuq import queue
+from gpuq.queue import Backoff
+from tests.helpers import add_pending, job
+
+LEASE = 30.0
+
+
+async def _lease_one(conn, agent="a#1"):
+    [jid] = await add_pending(conn, 1)
+    [leased] = (await queue.lease(conn, ["train"], 1, agent, LEASE)).jobs
+    return leased
+
+
+async def test_complete_many_is_one_batch_and_fenced(conn):
+    await add_pending(conn, 3)
+    jobs = (await queue.lease(conn, ["train"], 3, "a#1", LEASE)).jobs
+    stale = "00000000-0000-0000-0000-000000000000"
+    accepted = await queue.complete_many(conn, [
+        (jobs[0].id, jobs[0].lease_token, {"n": 0}),
+        (jobs[1].id, jobs[1].lease_token, [1, 2]),
+        (jobs[2].id, stale, {"n": 2}),
+    ])
+    assert accepted == {jobs[0].id, jobs[1].id}
+    done = await job(conn, jobs[0].id)
+    assert done["status"] == "done" and done["result"] == {"n": 0} and done["finished_at"] is not None
+    assert (await job(conn, jobs[1].id))["result"] == [1, 2]
+    rejected = await job(conn, jobs[2].id)
+    assert rejected["status"] == "leased" and rejected["result"] is None
+
+
+async def test_second_completion_of_a_done_job_is_rejected(conn):
+    j = await _lease_one(conn)
+    assert await queue.complete(conn, j.id, j.lease_token, {"first": True})
+    assert not await queue.complete(conn, j.id, j.lease_token, {"second": True})
+    assert (await job(conn, j.id))["result"] == {"first": True}
+
+
+async def test_fail_with_stale_token_changes_nothing(conn):
+    j = await _lease_one(conn)
+    before = await job(conn, j.id)
+    assert await queue.fail(conn, j.id, "00000000-0000-0000-0000-000000000001", "boom") is None
+    assert dict(await job(conn, j.id)) == dict(before)
+
+
+async def test_retryable_failure_backs_off_into_scheduled(conn):
+    j = await _lease_one(conn)
+    now = await conn.fetchval("SELECT now()")
+    out = await queue.fail(conn, j.id, j.lease_token, "CUDA OOM", True, Backoff(10, 300, 0.5))
+    assert out is not None and out.status == "scheduled"
+    row = await job(conn, j.id)
+    assert row["status"] == "scheduled" and row["last_error"] == "CUDA OOM"
+    assert row["lease_token"] is None and row["leased_by"] is None
+    # attempt 1: base 10s, jitter in [0.5, 1] -> 5..10 s in the future
+    assert now + timedelta(seconds=4.9) <= row["run_at"] <= now + timedelta(seconds=10.5)
+
+
+async def test_backoff_grows_exponentially_and_is_capped(conn):
+    delays = []
+    for attempt in range(1, 5):
+        [jid] = await add_pending(conn, 1, kind=f"k{attempt}")
+        await conn.execute("UPDATE gpuq.jobs SET attempts = $2 - 1, max_attempts = 10 WHERE id = $1",
+                           jid, attempt)
+        [j] = (await queue.lease(conn, [f"k{attempt}"], 1, "a#1", LEASE)).jobs
+        assert j.attempt == attempt
+        now = await conn.fetchval("SELECT now()")
+        out = await queue.fail(conn, j.id, j.lease_token, "x", True, Backoff(1, 5, 0.0))
+        delays.append(round((out.run_at - now).total_seconds()))
+    assert delays == [1, 2, 4, 5]
+
+
+async def test_non_retryable_and_exhausted_failures_go_dead(conn):
+    j = await _lease_one(conn)
+    out = await queue.fail(conn, j.id, j.lease_token, "bad input", retryable=False)
+    assert out.status == "dead"
+    row = await job(conn, j.id)
+    assert row["status"] == "dead" and row["last_error"] == "bad input" and row["finished_at"]
+
+    jid = await conn.fetchval("INSERT INTO gpuq.jobs (kind, max_attempts) VALUES ('last', 1) RETURNING id")
+    [last] = (await queue.lease(conn, ["last"], 1, "a#1", LEASE)).jobs
+    assert (await queue.fail(conn, jid, last.lease_token, "again", retryable=True)).status == "dead"
+
+
+async def test_heartbeat_extends_only_the_agents_own_leases(conn):
+    mine = await _lease_one(conn, "a#1")
+    theirs = await _lease_one(conn, "b#1")
+    before = (await job(conn, mine.id))["lease_expires_at"]
+    assert await queue.heartbeat(conn, [mine.id, theirs.id], "a#1", 600) == {mine.id}
+    assert (await job(conn, mine.id))["lease_expires_at"] > before + timedelta(seconds=500)
+    assert (await job(conn, theirs.id))["lease_expires_at"] < before + timedelta(seconds=60)
+
+
+async def test_release_agent_returns_its_jobs_and_counts_the_attempt(conn, notifications):
+    await add_pending(conn, 2)
+    a_jobs = (await queue.lease(conn, ["train"], 2, "a#1", LEASE)).jobs
+    b = await _lease_one(conn, "b#1")
+    moved = await queue.release_agent(conn, "a#1")
+    assert sorted(moved.pending) == sorted(j.id for j in a_jobs) and moved.dead == []
+    for j in a_jobs:
+        row = await job(conn, j.id)
+        assert row["status"] == "pending" and row["attempts"] == 1 and row["lease_token"] is None
+    assert (await job(conn, b.id))["status"] == "leased"
+    assert await notifications.next() == "train"
+    # The released job's old token can no longer complete it.
+    assert not await queue.complete(conn, a_jobs[0].id, a_jobs[0].lease_token, None)
+
+
+async def test_release_of_a_last_attempt_ends_dead(conn):
+    jid = await conn.fetchval("INSERT INTO gpuq.jobs (kind, max_attempts) VALUES ('train', 1) RETURNING id")
+    await queue.lease(conn, ["train"], 1, "a#1", LEASE)
+    moved = await queue.release_agent(conn, "a#1")
+    assert moved.dead == [jid]
+    row = await job(conn, jid)
+    assert row["status"] == "dead" and "disconnected" in row["last_error"]
+
+
+async def test_cancel_live_job_fences_out_the_running_agent(conn):
+    j = await _lease_one(conn)
+    assert await queue.cancel(conn, j.id)
+    assert not await queue.complete(conn, j.id, j.lease_token, {"late": 1})
+    row = await job(conn, j.id)
+    assert row["status"] == "dead" and row["last_error"] == "cancelled"
+    assert not await queue.cancel(conn, j.id)  # already finished
