@@ -1,0 +1,114 @@
+"""Configuration: every setting, its environment variable, its default, in one table.
+
+Flags override the environment; the environment overrides the defaults. Bad
+values raise ``ConfigError`` with one line naming the setting.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A setting has a bad value (one clear line for the CLI)."""
+
+
+def parse_duration(text: str, name: str = "duration") -> float:
+    """Seconds from ``90``, ``1.5``, ``45s``, ``30m``, ``12h`` or ``7d``."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", str(text))
+    if not m:
+        raise ConfigError(f"{name}: {text!r} is not a duration (e.g. 30, 45s, 30m, 12h, 7d)")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"GPUQ_LISTEN: {text!r} is not host:port (e.g. 127.0.0.1:8765)")
+    return host.strip("[]") or "0.0.0.0", int(port)  # noqa: S104 (":8765" means all interfaces)
+
+
+def _positive(value: float, name: str) -> float:
+    if value <= 0:
+        raise ConfigError(f"{name} must be positive, not {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of ``gpuq serve`` (dispatcher + sweeper + websocket/HTTP server)."""
+
+    database_url: str
+    listen: tuple[str, int] = ("127.0.0.1", 8765)
+    tokens: frozenset[str] = field(default_factory=frozenset)
+    lease_seconds: float = 60.0
+    heartbeat_seconds: float = 15.0
+    poll_seconds: float = 2.0
+    max_payload: int = 1 << 20
+    max_batch: int = 64  # jobs per lease statement
+    sweep_seconds: float = 2.0
+    retention_seconds: float | None = None
+    drain_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("lease_seconds", "heartbeat_seconds", "poll_seconds", "sweep_seconds", "drain_seconds"):
+            _positive(getattr(self, name), name)
+        if self.heartbeat_seconds >= self.lease_seconds:
+            raise ConfigError(
+                f"heartbeat_seconds ({self.heartbeat_seconds}) must be shorter than lease_seconds "
+                f"({self.lease_seconds}), or leases expire between heartbeats"
+            )
+        if self.max_payload < 1024:
+            raise ConfigError(f"max_payload must be at least 1024 bytes, not {self.max_payload}")
+        if self.max_batch < 1:
+            raise ConfigError(f"max_batch must be at least 1, not {self.max_batch}")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> ServerConfig:
+        """Build from ``GPUQ_*``/``DATABASE_URL`` variables, then ``overrides`` (non-None flags)."""
+        env = dict(os.environ if env is None else env)
+        values: dict[str, Any] = {}
+        if v := env.get("DATABASE_URL"):
+            values["database_url"] = v
+        if v := env.get("GPUQ_LISTEN"):
+            values["listen"] = parse_listen(v)
+        if v := env.get("GPUQ_TOKENS"):
+            values["tokens"] = parse_tokens(v)
+        for key, name in DURATIONS.items():
+            if v := env.get(name):
+                values[key] = parse_duration(v, name)
+        for key, name in INTEGERS.items():
+            if v := env.get(name):
+                values[key] = _int(v, name)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if not values.get("database_url"):
+            raise ConfigError("no database: set DATABASE_URL or --database-url (or run `gpuq dev`)")
+        return cls(**values)
+
+
+DURATIONS = {
+    "lease_seconds": "GPUQ_LEASE_SECONDS",
+    "heartbeat_seconds": "GPUQ_HEARTBEAT_SECONDS",
+    "poll_seconds": "GPUQ_POLL_SECONDS",
+    "sweep_seconds": "GPUQ_SWEEP_SECONDS",
+    "retention_seconds": "GPUQ_RETENTION",
+    "drain_seconds": "GPUQ_DRAIN_SECONDS",
+}
+INTEGERS = {"max_payload": "GPUQ_MAX_PAYLOAD", "max_batch": "GPUQ_MAX_BATCH"}
+
+
+def parse_tokens(text: str) -> frozenset[str]:
+    tokens = frozenset(t.strip() for t in text.split(",") if t.strip())
+    if not tokens:
+        raise ConfigError("GPUQ_TOKENS is set but holds no token")
+    return tokens
+
+
+def _int(text: str, name: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name}: {text!r} is not an integer") from None
