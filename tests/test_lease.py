@@ -142,3 +142,16 @@ async def test_eight_concurrent_leasers_never_share_a_job(pool):
     assert sum(1 for r in results if r) >= 2  # they really ran side by side
     owners = await pool.fetch("SELECT leased_by, count(*) AS n FROM gpuq.jobs GROUP BY leased_by")
     assert {r["leased_by"]: r["n"] for r in owners} == {f"l{i}#1": len(r) for i, r in enumerate(results) if r}
+
+
+async def test_lease_slots_spread_one_batch_over_agents(conn):
+    ids = await add_pending(conn, 5)
+    got = await queue.lease_slots(conn, ["train"], ["a#1", "b#1", "a#1", "c#1"], LEASE)
+    assert [(j.id, j.leased_by) for j in got.jobs] == list(zip(ids[:4], ["a#1", "b#1", "a#1", "c#1"], strict=True))
+    owners = dict(await conn.fetch("SELECT id, leased_by FROM gpuq.jobs WHERE status = 'leased'"))
+    assert owners == {ids[0]: "a#1", ids[1]: "b#1", ids[2]: "a#1", ids[3]: "c#1"}
+    # Fewer jobs than slots: the first slots are served, in order.
+    await expire_leases(conn)
+    got = await queue.lease_slots(conn, ["train"], ["x#1", "y#1"] * 4, LEASE)
+    assert [j.leased_by for j in got.jobs] == ["x#1", "y#1", "x#1", "y#1", "x#1"]
+    assert got.reclaimed == 4

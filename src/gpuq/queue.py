@@ -40,6 +40,7 @@ class LeasedJob:
     max_attempts: int
     lease_token: str
     priority: int = 0
+    leased_by: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +183,7 @@ async def _enqueue_dedup(db: DB, jobs: Sequence[NewJob]) -> list[int]:
 # per row, which would deepen with history); a row we hold locked cannot move.
 _LEASE_PENDING = """
 WITH picked AS (
-    SELECT c.ctid
+    SELECT c.ctid, row_number() OVER (ORDER BY c.priority DESC, c.id) AS rn
     FROM unnest($1::text[]) AS k(kind)
     CROSS JOIN LATERAL (
         SELECT ctid, id, priority FROM gpuq.jobs
@@ -193,12 +194,16 @@ WITH picked AS (
     ) c
     ORDER BY c.priority DESC, c.id
     LIMIT $2
+), assigned AS (
+    SELECT p.ctid, s.agent FROM picked p
+    JOIN unnest($3::text[]) WITH ORDINALITY AS s(agent, slot) ON s.slot = p.rn
 )
 UPDATE gpuq.jobs j
 SET status = 'leased', attempts = j.attempts + 1, lease_token = gen_random_uuid(),
-    leased_by = $3, lease_expires_at = now() + make_interval(secs => $4), started_at = now()
-WHERE j.ctid = ANY(ARRAY(SELECT ctid FROM picked))
-RETURNING j.id, j.kind, j.payload, j.attempts, j.max_attempts, j.lease_token, j.priority
+    leased_by = a.agent, lease_expires_at = now() + make_interval(secs => $4), started_at = now()
+FROM assigned a
+WHERE j.ctid = a.ctid
+RETURNING j.id, j.kind, j.payload, j.attempts, j.max_attempts, j.lease_token, j.priority, j.leased_by
 """
 
 # Phase 2: reclaim leases that expired (their agent vanished without a
@@ -206,28 +211,32 @@ RETURNING j.id, j.kind, j.payload, j.attempts, j.max_attempts, j.lease_token, j.
 # from the oldest expiry. A row whose attempts are used up goes dead instead.
 _LEASE_EXPIRED = """
 WITH picked AS (
-    SELECT id FROM gpuq.jobs
-    WHERE status = 'leased' AND lease_expires_at < now() AND kind = ANY($1::text[])
-    ORDER BY lease_expires_at
-    LIMIT $2
-    FOR UPDATE SKIP LOCKED
-), moved AS (
-    UPDATE gpuq.jobs j
-    SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead'::gpuq.job_status ELSE 'leased' END,
-        attempts = least(j.attempts + 1, j.max_attempts),
-        lease_token = CASE WHEN j.attempts >= j.max_attempts THEN j.lease_token ELSE gen_random_uuid() END,
-        leased_by = CASE WHEN j.attempts >= j.max_attempts THEN j.leased_by ELSE $3 END,
-        lease_expires_at = CASE WHEN j.attempts >= j.max_attempts THEN j.lease_expires_at
-                                ELSE now() + make_interval(secs => $4) END,
-        started_at = CASE WHEN j.attempts >= j.max_attempts THEN j.started_at ELSE now() END,
-        finished_at = CASE WHEN j.attempts >= j.max_attempts THEN now() END,
-        last_error = CASE WHEN j.attempts >= j.max_attempts
-                          THEN 'lease expired after the last attempt' ELSE j.last_error END
-    FROM picked
-    WHERE j.id = picked.id
-    RETURNING j.id, j.kind, j.payload, j.attempts, j.max_attempts, j.lease_token, j.priority, j.status
+    SELECT ctid, row_number() OVER (ORDER BY lease_expires_at, id) AS rn FROM (
+        SELECT ctid, id, lease_expires_at FROM gpuq.jobs
+        WHERE status = 'leased' AND lease_expires_at < now() AND kind = ANY($1::text[])
+        ORDER BY lease_expires_at
+        LIMIT $2
+        FOR UPDATE SKIP LOCKED
+    ) e
+), assigned AS (
+    SELECT p.ctid, s.agent FROM picked p
+    JOIN unnest($3::text[]) WITH ORDINALITY AS s(agent, slot) ON s.slot = p.rn
 )
-SELECT * FROM moved
+UPDATE gpuq.jobs j
+SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead'::gpuq.job_status ELSE 'leased' END,
+    attempts = least(j.attempts + 1, j.max_attempts),
+    lease_token = CASE WHEN j.attempts >= j.max_attempts THEN j.lease_token ELSE gen_random_uuid() END,
+    leased_by = CASE WHEN j.attempts >= j.max_attempts THEN j.leased_by ELSE a.agent END,
+    lease_expires_at = CASE WHEN j.attempts >= j.max_attempts THEN j.lease_expires_at
+                            ELSE now() + make_interval(secs => $4) END,
+    started_at = CASE WHEN j.attempts >= j.max_attempts THEN j.started_at ELSE now() END,
+    finished_at = CASE WHEN j.attempts >= j.max_attempts THEN now() END,
+    last_error = CASE WHEN j.attempts >= j.max_attempts
+                      THEN 'lease expired after the last attempt' ELSE j.last_error END
+FROM assigned a
+WHERE j.ctid = a.ctid
+RETURNING j.id, j.kind, j.payload, j.attempts, j.max_attempts, j.lease_token, j.priority, j.leased_by,
+          j.status
 """
 
 
@@ -241,15 +250,26 @@ class LeaseResult:
 
 async def lease(db: DB, kinds: Sequence[str], n: int, agent: str, lease_seconds: float) -> LeaseResult:
     """Lease up to ``n`` jobs of ``kinds`` for ``agent``: pending first, then expired."""
+    return await lease_slots(db, kinds, [agent] * n, lease_seconds)
+
+
+async def lease_slots(db: DB, kinds: Sequence[str], slots: Sequence[str], lease_seconds: float) -> LeaseResult:
+    """Lease up to ``len(slots)`` jobs of ``kinds``; the i-th job leased goes to ``slots[i]``.
+
+    One statement serves many agents that take the same kinds: the dispatcher
+    lists each agent once per free credit, interleaved, and every job's
+    ``leased_by`` names the agent it is pushed to.
+    """
+    n = len(slots)
     if n <= 0 or not kinds:
         return LeaseResult([])
-    kinds = list(kinds)
-    rows = await db.fetch(_LEASE_PENDING, kinds, n, agent, float(lease_seconds))
+    kinds, slots = list(kinds), list(slots)
+    rows = await db.fetch(_LEASE_PENDING, kinds, n, slots, float(lease_seconds))
     # UPDATE ... RETURNING does not keep the pick order: restore dispatch order.
     jobs = sorted((_leased(r) for r in rows), key=lambda j: (-j.priority, j.id))
     if len(jobs) >= n:
         return LeaseResult(jobs)
-    rows = await db.fetch(_LEASE_EXPIRED, kinds, n - len(jobs), agent, float(lease_seconds))
+    rows = await db.fetch(_LEASE_EXPIRED, kinds, n - len(jobs), slots[len(jobs):], float(lease_seconds))
     reclaimed = [_leased(r) for r in rows if r["status"] == "leased"]
     return LeaseResult(jobs + reclaimed, len(reclaimed), len(rows) - len(reclaimed), True)
 
@@ -265,7 +285,7 @@ async def explain_lease_pending(conn: Any, kinds: Sequence[str], n: int) -> dict
     try:
         raw = await conn.fetchval(
             "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + _LEASE_PENDING,
-            list(kinds), n, "explain", 30.0,
+            list(kinds), n, ["explain"] * n, 30.0,
         )
     finally:
         await tx.rollback()
@@ -304,7 +324,7 @@ def plan_indexes(plan: dict[str, Any]) -> set[str]:
 
 def _leased(r: Any) -> LeasedJob:
     return LeasedJob(r["id"], r["kind"], r["payload"], r["attempts"], r["max_attempts"],
-                     str(r["lease_token"]), r["priority"])
+                     str(r["lease_token"]), r["priority"], r["leased_by"])
 
 
 # --------------------------------------------------------------------------

@@ -1,0 +1,323 @@
+"""The agent protocol: message types, strict parsing, encoding. No I/O here.
+
+JSON text frames over one websocket, versioned by ``PROTOCOL_VERSION``. The
+full reference, with every close code, is docs/protocol.md.
+
+Parsing is strict: an unknown type, a missing or extra field, a value of the
+wrong type or out of range is a ``ProtocolError`` carrying the error code the
+server sends back. ``fatal`` errors (anything wrong with ``hello``) close the
+connection; the others are answered with ``error`` and the connection goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+PROTOCOL_VERSION = 1
+
+# Close codes (4000-4999 are the application's own range).
+CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001  # server shutting down: reconnect (to another replica)
+CLOSE_UNSUPPORTED_DATA = 1003  # binary frame
+CLOSE_TOO_BIG = 1009  # frame over the size limit (sent by the websocket layer)
+CLOSE_PROTOCOL_ERROR = 4000  # bad or missing hello, or too many errors
+CLOSE_HELLO_TIMEOUT = 4002  # no hello within the deadline
+CLOSE_UNSUPPORTED_VERSION = 4003
+CLOSE_RATE_LIMITED = 4008
+CLOSE_CODES = {
+    CLOSE_NORMAL: "normal closure",
+    CLOSE_GOING_AWAY: "server going away",
+    CLOSE_UNSUPPORTED_DATA: "binary frames are not supported",
+    CLOSE_TOO_BIG: "frame too big",
+    CLOSE_PROTOCOL_ERROR: "protocol error",
+    CLOSE_HELLO_TIMEOUT: "no hello in time",
+    CLOSE_UNSUPPORTED_VERSION: "unsupported protocol version",
+    CLOSE_RATE_LIMITED: "too many messages",
+}
+
+# Error codes of ``error`` messages.
+BAD_JSON = "bad_json"
+BAD_MESSAGE = "bad_message"  # not an object, missing/extra field, wrong type
+UNKNOWN_TYPE = "unknown_type"
+UNEXPECTED = "unexpected"  # a valid message at the wrong time (e.g. a second hello)
+TOO_LARGE = "too_large"
+NOT_HELD = "not_held"  # a result or heartbeat for a job this connection does not hold
+
+KIND = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
+AGENT_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
+MAX_KINDS = 64
+MAX_CAPACITY = 4096
+MAX_ERROR_TEXT = 8192
+MAX_HEARTBEAT_IDS = 4096
+MAX_JOB_ID = 2**63 - 1
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: str, message: str, fatal: bool = False):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.fatal = fatal
+
+
+# --------------------------------------------------------------------------
+# Messages from the agent
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    agent: str
+    kinds: tuple[str, ...]
+    capacity: int
+    protocol: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    id: int
+    lease_token: str
+    result: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    id: int
+    lease_token: str
+    error: str
+    retryable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """From the agent: send me no more jobs (I am finishing and leaving)."""
+
+
+ClientMessage = Hello | Done | Failed | Heartbeat | Drain
+
+
+def parse_client(frame: str | bytes, max_size: int) -> ClientMessage:
+    """Parse one frame from an agent, or raise ``ProtocolError``."""
+    if isinstance(frame, bytes):
+        raise ProtocolError(BAD_MESSAGE, "binary frames are not supported; send JSON text", fatal=True)
+    if len(frame) > max_size:
+        raise ProtocolError(TOO_LARGE, f"frame of {len(frame)} bytes is over the limit of {max_size}")
+    obj = _load(frame)
+    kind = obj.get("type")
+    fields = _CLIENT_FIELDS.get(kind) if isinstance(kind, str) else None
+    if fields is None:
+        raise ProtocolError(UNKNOWN_TYPE, f"unknown message type {kind!r}; expected one of "
+                            f"{', '.join(sorted(_CLIENT_FIELDS))}", fatal=kind == "hello")
+    _exact_fields(obj, fields, fatal=kind == "hello")
+    if kind == "hello":
+        return _hello(obj)
+    if kind == "done":
+        return Done(_job_id(obj["id"]), _token(obj["lease_token"]), obj["result"])
+    if kind == "failed":
+        error = obj["error"]
+        if not isinstance(error, str):
+            raise ProtocolError(BAD_MESSAGE, "failed.error must be a string")
+        if not isinstance(obj["retryable"], bool):
+            raise ProtocolError(BAD_MESSAGE, "failed.retryable must be true or false")
+        return Failed(_job_id(obj["id"]), _token(obj["lease_token"]), error[:MAX_ERROR_TEXT],
+                      obj["retryable"])
+    if kind == "heartbeat":
+        ids = obj["ids"]
+        if not isinstance(ids, list) or len(ids) > MAX_HEARTBEAT_IDS:
+            raise ProtocolError(BAD_MESSAGE, f"heartbeat.ids must be a list of at most {MAX_HEARTBEAT_IDS} job ids")
+        return Heartbeat(tuple(_job_id(i) for i in ids))
+    return Drain()
+
+
+_CLIENT_FIELDS = {
+    "hello": {"type", "agent", "kinds", "capacity", "protocol"},
+    "done": {"type", "id", "lease_token", "result"},
+    "failed": {"type", "id", "lease_token", "error", "retryable"},
+    "heartbeat": {"type", "ids"},
+    "drain": {"type"},
+}
+
+
+def _hello(obj: dict[str, Any]) -> Hello:
+    version = obj["protocol"]
+    if version != PROTOCOL_VERSION or isinstance(version, bool):
+        raise ProtocolError(BAD_MESSAGE, f"protocol {version!r} is not supported; this server speaks "
+                            f"{PROTOCOL_VERSION}", fatal=True)
+    agent, kinds, capacity = obj["agent"], obj["kinds"], obj["capacity"]
+    if not isinstance(agent, str) or not AGENT_NAME.fullmatch(agent):
+        raise ProtocolError(BAD_MESSAGE, "hello.agent must be 1-64 characters of A-Z a-z 0-9 _ . : @ -",
+                            fatal=True)
+    if (not isinstance(kinds, list) or not 1 <= len(kinds) <= MAX_KINDS
+            or not all(isinstance(k, str) and KIND.fullmatch(k) for k in kinds)):
+        raise ProtocolError(BAD_MESSAGE, f"hello.kinds must be a list of 1-{MAX_KINDS} job kinds "
+                            "(1-128 characters of A-Z a-z 0-9 _ . : / -)", fatal=True)
+    if not _is_int(capacity) or not 1 <= capacity <= MAX_CAPACITY:
+        raise ProtocolError(BAD_MESSAGE, f"hello.capacity must be an integer 1-{MAX_CAPACITY}", fatal=True)
+    return Hello(agent, tuple(dict.fromkeys(kinds)), capacity, version)
+
+
+# --------------------------------------------------------------------------
+# Messages from the server
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    agent_id: str  # this connection's id: the jobs' leased_by
+    lease_seconds: float
+    heartbeat_seconds: float
+    max_payload: int
+    protocol: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class JobMessage:
+    id: int
+    lease_token: str
+    kind: str
+    payload: Any
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class Jobs:
+    jobs: tuple[JobMessage, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """Outcomes persisted (committed) by the server, and those fencing refused."""
+
+    accepted: tuple[int, ...]
+    rejected: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerDrain:
+    """From the server: no more jobs will come; finish, report, then reconnect."""
+
+    deadline_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    code: str
+    message: str
+
+
+ServerMessage = Welcome | Jobs | Ack | ServerDrain | Error
+
+
+def encode(msg: ServerMessage | ClientMessage) -> str:
+    """One JSON text frame for any message."""
+    if isinstance(msg, Welcome):
+        body: dict[str, Any] = {"type": "welcome", "agent_id": msg.agent_id, "protocol": msg.protocol,
+                                "lease_seconds": msg.lease_seconds,
+                                "heartbeat_seconds": msg.heartbeat_seconds, "max_payload": msg.max_payload}
+    elif isinstance(msg, Jobs):
+        body = {"type": "jobs", "jobs": [
+            {"id": j.id, "lease_token": j.lease_token, "kind": j.kind, "payload": j.payload,
+             "attempt": j.attempt} for j in msg.jobs]}
+    elif isinstance(msg, Ack):
+        body = {"type": "ack", "accepted": list(msg.accepted), "rejected": list(msg.rejected)}
+    elif isinstance(msg, ServerDrain):
+        body = {"type": "drain", "deadline_seconds": msg.deadline_seconds}
+    elif isinstance(msg, Error):
+        body = {"type": "error", "code": msg.code, "message": msg.message}
+    elif isinstance(msg, Hello):
+        body = {"type": "hello", "agent": msg.agent, "kinds": list(msg.kinds), "capacity": msg.capacity,
+                "protocol": msg.protocol}
+    elif isinstance(msg, Done):
+        body = {"type": "done", "id": msg.id, "lease_token": msg.lease_token, "result": msg.result}
+    elif isinstance(msg, Failed):
+        body = {"type": "failed", "id": msg.id, "lease_token": msg.lease_token, "error": msg.error,
+                "retryable": msg.retryable}
+    elif isinstance(msg, Heartbeat):
+        body = {"type": "heartbeat", "ids": list(msg.ids)}
+    elif isinstance(msg, Drain):
+        body = {"type": "drain"}
+    else:  # pragma: no cover - a programming error, not input
+        raise TypeError(f"not a protocol message: {msg!r}")
+    return json.dumps(body, separators=(",", ":"), allow_nan=False)
+
+
+def parse_server(frame: str | bytes) -> ServerMessage:
+    """Parse one frame from the server (the agent side); ``ProtocolError`` if malformed."""
+    if isinstance(frame, bytes):
+        raise ProtocolError(BAD_MESSAGE, "binary frame from the server")
+    obj = _load(frame)
+    kind = obj.get("type")
+    try:
+        if kind == "welcome":
+            return Welcome(str(obj["agent_id"]), float(obj["lease_seconds"]),
+                           float(obj["heartbeat_seconds"]), int(obj["max_payload"]), int(obj["protocol"]))
+        if kind == "jobs":
+            return Jobs(tuple(JobMessage(_job_id(j["id"]), _token(j["lease_token"]), str(j["kind"]),
+                                         j["payload"], int(j["attempt"])) for j in obj["jobs"]))
+        if kind == "ack":
+            return Ack(tuple(_job_id(i) for i in obj["accepted"]), tuple(_job_id(i) for i in obj["rejected"]))
+        if kind == "drain":
+            return ServerDrain(float(obj["deadline_seconds"]))
+        if kind == "error":
+            return Error(str(obj["code"]), str(obj["message"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(BAD_MESSAGE, f"malformed {kind} message from the server: {exc}") from None
+    raise ProtocolError(UNKNOWN_TYPE, f"unknown message type {kind!r} from the server")
+
+
+# --------------------------------------------------------------------------
+# Field checks
+# --------------------------------------------------------------------------
+
+
+def _load(frame: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(frame, parse_constant=_no_constants)
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError(BAD_JSON, f"frame is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(BAD_MESSAGE, "a message must be a JSON object with a 'type' field")
+    return obj
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _exact_fields(obj: dict[str, Any], fields: set[str], fatal: bool) -> None:
+    missing, extra = fields - obj.keys(), obj.keys() - fields
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(sorted(missing))}")
+        if extra:
+            parts.append(f"unexpected {', '.join(sorted(map(str, extra)))[:200]}")
+        raise ProtocolError(BAD_MESSAGE, f"{obj['type']}: {'; '.join(parts)}", fatal=fatal)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _job_id(value: Any) -> int:
+    if not _is_int(value) or not 1 <= value <= MAX_JOB_ID:
+        raise ProtocolError(BAD_MESSAGE, f"job id must be a positive 64-bit integer, not {str(value)[:40]!r}")
+    return int(value)
+
+
+def _token(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError(BAD_MESSAGE, "lease_token must be a string")
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise ProtocolError(BAD_MESSAGE, f"lease_token {value[:40]!r} is not a UUID") from None
