@@ -6,19 +6,28 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
-JOBS_LEASED = Counter("gpuq_jobs_leased", "Jobs leased to agents", ["phase"], registry=REGISTRY)
-JOBS_DONE = Counter("gpuq_jobs_completed", "Completions persisted", registry=REGISTRY)
-JOBS_FAILED = Counter("gpuq_jobs_failed", "Failures persisted", ["outcome"], registry=REGISTRY)
+JOBS_LEASED = Counter("gpuq_jobs_leased", "Jobs leased to agents", ["kind"], registry=REGISTRY)
+JOBS_DONE = Counter("gpuq_jobs_completed", "Completions committed", ["kind"], registry=REGISTRY)
+JOBS_FAILED = Counter("gpuq_jobs_failed", "Failures committed, by outcome (scheduled = will retry)",
+                      ["kind", "outcome"], registry=REGISTRY)
 RESULTS_REJECTED = Counter(
     "gpuq_results_rejected", "Results refused by lease fencing (stale token)", registry=REGISTRY
 )
 LEASE_SECONDS = Histogram(
-    "gpuq_lease_query_seconds", "Duration of one lease pass",
+    "gpuq_lease_query_seconds", "Duration of one lease statement pair (phase 1, phase 2 if run)",
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0), registry=REGISTRY,
 )
+LEASE_BATCH = Histogram(
+    "gpuq_lease_batch_size", "Jobs leased per lease statement",
+    buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256), registry=REGISTRY,
+)
 AGENTS = Gauge("gpuq_agents_connected", "Agents connected to this dispatcher", registry=REGISTRY)
-CREDIT_FREE = Gauge("gpuq_agent_credit_free", "Free job slots across agents", registry=REGISTRY)
-SWEEP_RECLAIMED = Counter("gpuq_sweeper_reclaimed", "Expired leases returned to pending", registry=REGISTRY)
+INFLIGHT = Gauge("gpuq_jobs_inflight", "Jobs pushed to agents of this dispatcher, not yet reported",
+                 registry=REGISTRY)
+QUEUE_DEPTH = Gauge("gpuq_queue_depth", "Live jobs by state (from the partial indexes, at scrape time)",
+                    ["status"], registry=REGISTRY)
+SWEEP_RECLAIMED = Counter("gpuq_jobs_reclaimed", "Expired leases returned to pending by the sweeper",
+                          registry=REGISTRY)
 SWEEP_DEAD = Counter("gpuq_sweeper_dead", "Expired leases with no attempts left, now dead", registry=REGISTRY)
 SWEEP_PROMOTED = Counter("gpuq_sweeper_promoted", "Scheduled jobs promoted to pending", registry=REGISTRY)
 SWEEP_PRUNED = Counter("gpuq_sweeper_pruned", "Done/dead rows deleted by retention", registry=REGISTRY)

@@ -1,0 +1,283 @@
+"""The network side of ``gpuq serve``: the /agent websocket and /healthz, /status, /metrics.
+
+``serve()`` runs the dispatcher, the sweeper and this server in one anyio
+task group. Authentication happens in the HTTP handshake, before any message:
+a missing or wrong bearer token gets HTTP 401 and never a job.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import ssl
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import Any
+
+import anyio
+import websockets
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from websockets.asyncio.server import Server, ServerConnection
+from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from gpuq import db, logs, metrics, protocol, queue
+from gpuq.config import ConfigError, ServerConfig
+from gpuq.dispatcher import AgentSession, Dispatcher
+from gpuq.migrate import pending_migrations
+from gpuq.protocol import Drain, Error, Failed, Heartbeat, Hello, ProtocolError, Welcome, encode
+from gpuq.sweeper import Sweeper, SweeperConfig
+
+log = logs.get("server")
+
+HELLO_TIMEOUT_SECONDS = 10.0
+MAX_ERRORS_PER_CONNECTION = 100  # then the connection is closed with 4000
+AGENT_PATH = "/agent"
+
+
+class AgentServer:
+    """Websocket + HTTP front of one dispatcher."""
+
+    def __init__(self, dispatcher: Dispatcher, config: ServerConfig):
+        self.d = dispatcher
+        self.config = config
+
+    # -- HTTP: endpoints and the auth check of the websocket handshake ---
+
+    async def process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        path = request.path.split("?", 1)[0]
+        if path == AGENT_PATH:
+            if not self._authorized(request.headers.get("Authorization", "")):
+                log.warning("agent.unauthorized", remote=_remote(connection))
+                return _response(HTTPStatus.UNAUTHORIZED, b"missing or invalid bearer token\n",
+                                 "text/plain", [("WWW-Authenticate", 'Bearer realm="gpuq"')])
+            return None  # go on with the websocket handshake
+        if path == "/healthz":
+            ok, detail = await self.health()
+            return _response(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE,
+                             json.dumps(detail).encode(), "application/json")
+        if path == "/status":
+            try:
+                body = await self.status()
+            except db.RETRYABLE_ERRORS as exc:
+                return _response(HTTPStatus.SERVICE_UNAVAILABLE,
+                                 json.dumps({"error": f"database unavailable: {exc}"}).encode(), "application/json")
+            return _response(HTTPStatus.OK, json.dumps(body).encode(), "application/json")
+        if path == "/metrics":
+            try:
+                counts = await queue.status_counts(self.d.pool)
+                for status in queue.LIVE_STATES:
+                    metrics.QUEUE_DEPTH.labels(status=status).set(counts.total(status))
+            except db.RETRYABLE_ERRORS:
+                pass  # the rest of the metrics are still worth serving
+            return _response(HTTPStatus.OK, generate_latest(metrics.REGISTRY), CONTENT_TYPE_LATEST)
+        return _response(HTTPStatus.NOT_FOUND, b"not found: try /agent, /healthz, /status, /metrics\n",
+                         "text/plain")
+
+    def _authorized(self, header: str) -> bool:
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return False
+        # Compare against every token, in constant time, without stopping early.
+        found = False
+        for t in self.config.tokens:
+            found |= hmac.compare_digest(token.strip().encode(), t.encode())
+        return found
+
+    async def health(self) -> tuple[bool, dict[str, Any]]:
+        db_ok = True
+        try:
+            with anyio.fail_after(2):
+                await self.d.pool.fetchval("SELECT 1")
+        except (TimeoutError, *db.RETRYABLE_ERRORS):
+            db_ok = False
+        ok = db_ok and self.d.listening and not self.d.stopping
+        return ok, {"ok": ok, "database": db_ok, "listening": self.d.listening, "draining": self.d.stopping}
+
+    async def status(self) -> dict[str, Any]:
+        counts = await queue.status_counts(self.d.pool)
+        body = counts.as_dict()
+        body["agents"] = [
+            {"agent": s.id, "kinds": sorted(s.kinds), "capacity": s.capacity, "inflight": len(s.inflight),
+             "draining": s.draining} for s in self.d.sessions.values()
+        ]
+        body["agents_connected"] = len(self.d.sessions)
+        return body
+
+    # -- websocket: one agent connection ---------------------------------
+
+    async def handle(self, ws: ServerConnection) -> None:
+        hello = await self._hello(ws)
+        if hello is None:
+            return
+        outbox_send, outbox_recv = anyio.create_memory_object_stream[str](max_buffer_size=float("inf"))
+        session = AgentSession(hello.agent, frozenset(hello.kinds), hello.capacity,
+                               push=outbox_send.send_nowait, close=ws.close)
+        await ws.send(encode(Welcome(session.id, self.config.lease_seconds, self.config.heartbeat_seconds,
+                                     self.config.max_payload)))
+        self.d.register(session)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_writer, ws, outbox_recv)
+                await self._reader(ws, session)
+                tg.cancel_scope.cancel()
+        finally:
+            outbox_send.close()
+            await self.d.unregister(session)
+
+    async def _hello(self, ws: ServerConnection) -> Hello | None:
+        try:
+            with anyio.fail_after(HELLO_TIMEOUT_SECONDS):
+                frame = await ws.recv()
+        except TimeoutError:
+            await ws.close(protocol.CLOSE_HELLO_TIMEOUT, "no hello in time")
+            return None
+        except ConnectionClosed:
+            return None
+        try:
+            msg = protocol.parse_client(frame, self.config.max_payload)
+            if not isinstance(msg, Hello):
+                raise ProtocolError(protocol.UNEXPECTED, "the first message must be hello", fatal=True)
+        except ProtocolError as exc:
+            metrics.PROTOCOL_ERRORS.labels(code=exc.code).inc()
+            await _send_quietly(ws, encode(Error(exc.code, exc.message)))
+            unsupported = "protocol" in exc.message and "not supported" in exc.message
+            await ws.close(protocol.CLOSE_UNSUPPORTED_VERSION if unsupported else protocol.CLOSE_PROTOCOL_ERROR,
+                           exc.message[:120])
+            return None
+        return msg
+
+    async def _reader(self, ws: ServerConnection, session: AgentSession) -> None:
+        errors = 0
+        try:
+            async for frame in ws:
+                try:
+                    await self._on_message(session, protocol.parse_client(frame, self.config.max_payload))
+                except ProtocolError as exc:
+                    metrics.PROTOCOL_ERRORS.labels(code=exc.code).inc()
+                    errors += 1
+                    if exc.fatal or errors > MAX_ERRORS_PER_CONNECTION:
+                        code = protocol.CLOSE_UNSUPPORTED_DATA if isinstance(frame, bytes) else protocol.CLOSE_PROTOCOL_ERROR
+                        await ws.close(code, exc.message[:120] if exc.fatal else "too many protocol errors")
+                        return
+                    session.push(encode(Error(exc.code, exc.message)))
+        except ConnectionClosed:
+            pass
+
+    async def _on_message(self, session: AgentSession, msg: protocol.ClientMessage) -> None:
+        if isinstance(msg, protocol.Done | Failed):
+            if not self.d.accepts(session, msg.id, msg.lease_token):
+                raise ProtocolError(protocol.NOT_HELD, f"job {msg.id} is not leased to this connection "
+                                    "with that token (reclaimed, finished, or never yours)")
+            if isinstance(msg, Failed):
+                self.d.submit_failed(session, msg)
+            else:
+                self.d.submit_done(session, msg)
+        elif isinstance(msg, Heartbeat):
+            held = [i for i in msg.ids if i in session.inflight]
+            if held:
+                await self.d.heartbeat(session, tuple(held))
+            if len(held) < len(msg.ids):
+                foreign = sorted(set(msg.ids) - set(held))[:20]
+                raise ProtocolError(protocol.NOT_HELD, f"heartbeat for jobs not leased to this connection: {foreign}")
+        elif isinstance(msg, Drain):
+            self.d.set_draining(session)
+        else:  # a second hello
+            raise ProtocolError(protocol.UNEXPECTED, "hello was already received on this connection")
+
+
+async def _writer(ws: ServerConnection, outbox: Any) -> None:
+    try:
+        async for frame in outbox:
+            await ws.send(frame)
+    except ConnectionClosed:
+        pass
+
+
+async def _send_quietly(ws: ServerConnection, frame: str) -> None:
+    try:
+        await ws.send(frame)
+    except ConnectionClosed:
+        pass
+
+
+def _response(status: HTTPStatus, body: bytes, content_type: str,
+              extra: list[tuple[str, str]] | None = None) -> Response:
+    headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(body))),
+                       ("Cache-Control", "no-store"), *(extra or [])])
+    return Response(status.value, status.phrase, headers, body)
+
+
+def _remote(connection: ServerConnection) -> str:
+    addr = connection.remote_address
+    return f"{addr[0]}:{addr[1]}" if addr else "?"
+
+
+def ssl_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
+    if not cert and not key:
+        return None
+    if not (cert and key):
+        raise ConfigError("TLS needs both --tls-cert and --tls-key")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load TLS certificate/key: {exc}") from None
+    return ctx
+
+
+async def serve(
+    config: ServerConfig,
+    *,
+    stop: anyio.Event | None = None,
+    on_ready: Callable[[int], None] | None = None,
+    tls: ssl.SSLContext | None = None,
+) -> None:
+    """Run dispatcher + sweeper + server until ``stop`` is set, then drain and return."""
+    if not config.tokens:
+        raise ConfigError("no agent tokens: set GPUQ_TOKENS (comma-separated) or --tokens")
+    stop = stop or anyio.Event()
+    pool = await db.create_pool(config.database_url, min_size=2, max_size=10)
+    try:
+        async with pool.acquire() as conn:
+            if missing := await pending_migrations(conn):
+                raise ConfigError(f"the database is not migrated (missing {', '.join(missing)}): run `gpuq migrate`")
+        dispatcher = Dispatcher(pool, config)
+        front = AgentServer(dispatcher, config)
+        sweeper = Sweeper(pool, SweeperConfig(interval_seconds=config.sweep_seconds,
+                                              retention_seconds=config.retention_seconds))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(dispatcher.run)
+            tg.start_soon(sweeper.run)
+            async with websockets.serve(
+                front.handle, config.listen[0], config.listen[1], process_request=front.process_request,
+                max_size=config.max_payload, ssl=tls, compression=None, logger=_quiet_logger(),
+            ) as server:
+                port = _port(server)
+                log.info("server.listening", host=config.listen[0], port=port, tls=tls is not None,
+                         lease_seconds=config.lease_seconds, tokens=len(config.tokens))
+                if on_ready:
+                    on_ready(port)
+                await stop.wait()
+                await dispatcher.drain(config.drain_seconds)
+                server.close(close_connections=True)
+                await server.wait_closed()
+            tg.cancel_scope.cancel()
+    finally:
+        await pool.close()
+    log.info("server.stopped")
+
+
+def _port(server: Server) -> int:
+    return int(next(iter(server.sockets)).getsockname()[1])
+
+
+def _quiet_logger() -> Any:
+    # websockets logs handshake failures (our 401s, port scans) at INFO through
+    # stdlib logging; we log what matters ourselves with structlog.
+    import logging
+
+    lg = logging.getLogger("gpuq.websockets")
+    lg.setLevel(logging.WARNING)
+    return lg

@@ -1,0 +1,84 @@
+"""Jobs flow from an INSERT to websocket agents and back (real server, real sockets)."""
+
+import anyio
+
+from tests.harness import running_server
+
+
+async def _count(pool, status):
+    return await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = $1::gpuq.job_status", status)
+
+
+async def _wait_all_done(pool, n, timeout=60):
+    with anyio.fail_after(timeout):
+        while await _count(pool, "done") < n:
+            await anyio.sleep(0.05)
+
+
+async def test_1000_jobs_three_agents_each_done_exactly_once(dsn, pool):
+    calls: dict[int, int] = {}
+
+    async def handle(job):
+        calls[job.id] = calls.get(job.id, 0) + 1
+        return {"double": job.payload["n"] * 2}
+
+    async with running_server(dsn) as srv:
+        for i in range(3):
+            await srv.agent(["embed"], 4, handle, name=f"a{i}")
+        await pool.execute(
+            "INSERT INTO gpuq.jobs (kind, payload) SELECT 'embed', jsonb_build_object('n', g) "
+            "FROM generate_series(1, 1000) g"
+        )
+        await _wait_all_done(pool, 1000)
+    rows = await pool.fetch("SELECT id, payload, result, attempts FROM gpuq.jobs")
+    assert len(rows) == 1000
+    assert all(r["result"] == {"double": r["payload"]["n"] * 2} for r in rows)
+    assert all(r["attempts"] == 1 for r in rows)
+    assert sorted(calls) == sorted(r["id"] for r in rows) and set(calls.values()) == {1}
+
+
+async def test_a_single_insert_reaches_an_idle_agent_without_polling(dsn, pool):
+    started = anyio.Event()
+
+    async def handle(job):
+        started.set()
+
+    async with running_server(dsn, poll_seconds=30) as srv:
+        await srv.agent(["embed"], 1, handle)
+        await anyio.sleep(0.3)  # the agent is idle: its first lease pass found nothing
+        await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('embed')")
+        with anyio.fail_after(3):  # far below the 30 s poll interval: NOTIFY did it
+            await started.wait()
+
+
+async def test_capacity_is_never_exceeded_and_kinds_route(dsn, pool):
+    running = {"now": 0, "max": 0}
+    seen_by_b: list[str] = []
+    release = anyio.Event()
+
+    async def slow(job):
+        running["now"] += 1
+        running["max"] = max(running["max"], running["now"])
+        await release.wait()
+        running["now"] -= 1
+
+    async def only_b(job):
+        seen_by_b.append(job.kind)
+
+    async with running_server(dsn) as srv:
+        await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'A' FROM generate_series(1, 20)")
+        await anyio.sleep(0.5)
+        assert await _count(pool, "leased") == 0  # no agent for kind A: nothing leased
+        await srv.agent(["B"], 4, only_b, name="b")
+        await srv.agent(["A"], 2, slow, name="a")
+        with anyio.fail_after(5):
+            while await _count(pool, "leased") < 2:
+                await anyio.sleep(0.05)
+        await anyio.sleep(0.5)  # give the dispatcher every chance to over-lease
+        assert await _count(pool, "leased") == 2 and running["max"] == 2
+        release.set()
+        await _wait_all_done(pool, 20)
+        assert running["max"] == 2
+        await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('B')")
+        await _wait_all_done(pool, 21)
+    assert seen_by_b == ["B"]
