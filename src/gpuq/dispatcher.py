@@ -30,7 +30,7 @@ import anyio
 
 from gpuq import db, logs, metrics, queue
 from gpuq.config import ServerConfig
-from gpuq.protocol import Ack, Done, Failed, Jobs, JobMessage, ServerDrain, encode
+from gpuq.protocol import Ack, Done, Failed, JobMessage, Jobs, ServerDrain, encode
 from gpuq.queue import Backoff
 
 log = logs.get("dispatcher")
@@ -59,11 +59,11 @@ class AgentSession:
 
 
 class Dispatcher:
-    def __init__(self, pool: Any, config: ServerConfig, backoff: Backoff = Backoff()):
+    def __init__(self, pool: Any, config: ServerConfig, backoff: Backoff | None = None):
         self.pool = pool
         self.config = config
         self.sessions: dict[str, AgentSession] = {}
-        self.completer = Completer(self, backoff)
+        self.completer = Completer(self, backoff or Backoff())
         self.listening = False
         self.stopping = False
         self._wake = anyio.Event()
@@ -157,7 +157,7 @@ class Dispatcher:
             try:
                 conn = await db.connect(self.config.database_url)
                 lost = anyio.Event()
-                conn.add_termination_listener(lambda _c: lost.set())
+                conn.add_termination_listener(lambda _c, lost=lost: lost.set())
                 await conn.add_listener(queue.NOTIFY_CHANNEL, self._on_notify)
                 self.listening, delay = True, 0.1
                 log.info("listen.connected", channel=queue.NOTIFY_CHANNEL)
