@@ -1,0 +1,173 @@
+"""Agent-side behaviour over real connections: disconnects, fencing, failures, heartbeats, drain."""
+
+import json
+
+import anyio
+import pytest
+from websockets.asyncio.client import connect
+
+from gpuq import protocol
+from gpuq.agent import Agent, AuthError, PermanentError
+from tests.harness import TOKEN, running_server
+
+
+async def _status(pool, jid):
+    return await pool.fetchval("SELECT status::text FROM gpuq.jobs WHERE id = $1", jid)
+
+
+async def _raw_agent(srv, kinds=("embed",), capacity=1, name="raw"):
+    ws = await connect(srv.url, additional_headers={"Authorization": f"Bearer {TOKEN}"})
+    await ws.send(json.dumps({"type": "hello", "agent": name, "kinds": list(kinds), "capacity": capacity,
+                              "protocol": 1}))
+    welcome = json.loads(await ws.recv())
+    assert welcome["type"] == "welcome"
+    return ws, welcome
+
+
+async def _next_of(ws, kind, timeout=5):
+    with anyio.fail_after(timeout):
+        while True:
+            msg = json.loads(await ws.recv())
+            if msg["type"] == kind:
+                return msg
+
+
+async def test_killed_agent_returns_its_job_at_once_and_a_late_done_is_fenced(dsn, pool):
+    async with running_server(dsn, lease_seconds=300) as srv:
+        jid = await pool.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('embed') RETURNING id")
+        ws, _ = await _raw_agent(srv, name="doomed")
+        pushed = (await _next_of(ws, "jobs"))["jobs"][0]
+        assert pushed["id"] == jid
+        ws.transport.abort()  # the process died: no close handshake
+        with anyio.fail_after(5):  # far sooner than the 300 s lease
+            while await _status(pool, jid) != "pending":
+                await anyio.sleep(0.02)
+
+        finished = anyio.Event()
+
+        async def handle(job):
+            finished.set()
+            return {"by": "rescuer"}
+
+        await srv.agent(["embed"], 1, handle, name="rescuer")
+        with anyio.fail_after(5):
+            await finished.wait()
+            while await _status(pool, jid) != "done":
+                await anyio.sleep(0.02)
+
+        # The dead agent's result shows up late, on a new connection: refused.
+        ws2, _ = await _raw_agent(srv, name="doomed")
+        await ws2.send(json.dumps({"type": "done", "id": jid, "lease_token": pushed["lease_token"],
+                                   "result": {"by": "doomed"}}))
+        err = await _next_of(ws2, "error")
+        assert err["code"] == protocol.NOT_HELD
+        await ws2.close()
+    row = await pool.fetchrow("SELECT result, attempts FROM gpuq.jobs WHERE id = $1", jid)
+    assert row["result"] == {"by": "rescuer"} and row["attempts"] == 2
+
+
+async def test_handler_errors_retry_and_permanent_errors_go_dead(dsn, pool):
+    async def handle(job):
+        if job.payload["mode"] == "permanent":
+            raise PermanentError("bad input")
+        if job.attempt == 1:
+            raise RuntimeError("flaky GPU")
+        return {"attempt": job.attempt}
+
+    async with running_server(dsn) as srv:
+        await srv.agent(["embed"], 2, handle)
+        flaky = await pool.fetchval(
+            "INSERT INTO gpuq.jobs (kind, payload) VALUES ('embed', '{\"mode\": \"flaky\"}') RETURNING id")
+        perm = await pool.fetchval(
+            "INSERT INTO gpuq.jobs (kind, payload) VALUES ('embed', '{\"mode\": \"permanent\"}') RETURNING id")
+        with anyio.fail_after(10):
+            while await _status(pool, perm) != "dead" or await _status(pool, flaky) != "scheduled":
+                await anyio.sleep(0.02)
+        error = await pool.fetchval("SELECT last_error FROM gpuq.jobs WHERE id = $1", flaky)
+        assert "RuntimeError: flaky GPU" in error
+        await pool.execute("UPDATE gpuq.jobs SET run_at = now() WHERE id = $1", flaky)  # skip the backoff
+        with anyio.fail_after(10):  # the server's sweeper promotes it; NOTIFY brings it back
+            while await _status(pool, flaky) != "done":
+                await anyio.sleep(0.05)
+    row = await pool.fetchrow("SELECT result, attempts FROM gpuq.jobs WHERE id = $1", flaky)
+    assert row["result"] == {"attempt": 2} and row["attempts"] == 2
+    assert "bad input" in await pool.fetchval("SELECT last_error FROM gpuq.jobs WHERE id = $1", perm)
+
+
+async def test_heartbeats_keep_a_long_job_leased(dsn, pool):
+    release = anyio.Event()
+
+    async def handle(job):
+        await release.wait()
+        return "finished"
+
+    async with running_server(dsn, lease_seconds=2, heartbeat_seconds=0.3, sweep_seconds=0.2) as srv:
+        await srv.agent(["embed"], 1, handle)
+        jid = await pool.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('embed') RETURNING id")
+        await anyio.sleep(3.5)  # well past the 2 s lease: only heartbeats keep it
+        row = await pool.fetchrow("SELECT status::text, attempts FROM gpuq.jobs WHERE id = $1", jid)
+        assert row["status"] == "leased" and row["attempts"] == 1
+        release.set()
+        with anyio.fail_after(5):
+            while await _status(pool, jid) != "done":
+                await anyio.sleep(0.02)
+
+
+async def test_sync_handlers_run_in_a_thread(dsn, pool):
+    import threading
+    import time
+
+    main = threading.get_ident()
+    threads = []
+
+    def handle(job):
+        threads.append(threading.get_ident())
+        time.sleep(0.05)  # would block the event loop if run on it
+        return job.payload
+
+    async with running_server(dsn) as srv:
+        await srv.agent(["embed"], 2, handle)
+        await pool.execute("INSERT INTO gpuq.jobs (kind, payload) SELECT 'embed', to_jsonb(g) FROM generate_series(1, 4) g")
+        with anyio.fail_after(10):
+            while await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'done'") < 4:
+                await anyio.sleep(0.02)
+    assert threads and main not in threads
+    assert sorted(await pool.fetchval("SELECT array_agg(result::int) FROM gpuq.jobs")) == [1, 2, 3, 4]
+
+
+async def test_agent_stop_finishes_running_jobs_first(dsn, pool):
+    started = anyio.Event()
+
+    async def handle(job):
+        started.set()
+        await anyio.sleep(0.5)
+        return "ok"
+
+    async with running_server(dsn) as srv:
+        agent = await srv.agent(["embed"], 1, handle)
+        jid = await pool.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('embed') RETURNING id")
+        with anyio.fail_after(5):
+            await started.wait()
+        agent.stop()
+        await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('embed')")  # not for a stopping agent
+        with anyio.fail_after(5):
+            while await _status(pool, jid) != "done":
+                await anyio.sleep(0.02)
+        await anyio.sleep(0.3)
+        assert await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'pending'") == 1
+        assert agent.completed == 1
+
+
+async def test_bad_token_is_refused_and_no_job_is_leased(dsn, pool):
+    async with running_server(dsn) as srv:
+        await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'embed' FROM generate_series(1, 5)")
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}):
+            with pytest.raises(Exception) as info:
+                await connect(srv.url, additional_headers=headers)
+            assert getattr(info.value, "response", None) is not None
+            assert info.value.response.status_code == 401
+        bad = Agent(srv.url, "wrong", ["embed"], 4, lambda job: None, "intruder")
+        with pytest.raises(AuthError, match="401"):
+            await bad.run()
+        await anyio.sleep(0.3)
+        assert await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status <> 'pending'") == 0

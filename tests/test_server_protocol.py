@@ -1,0 +1,104 @@
+"""Malformed, oversized, unknown and out-of-order frames against a live server."""
+
+import json
+
+import anyio
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from gpuq import protocol, server
+from tests.harness import TOKEN, running_server
+from tests.test_agents import _next_of, _raw_agent
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+async def _closed_with(ws, timeout=5):
+    with anyio.fail_after(timeout):
+        try:
+            while True:
+                await ws.recv()
+        except ConnectionClosed as exc:
+            return exc.rcvd.code if exc.rcvd else None
+
+
+@pytest.mark.parametrize("frame, code", [
+    ("not json", protocol.BAD_JSON),
+    ("[1, 2]", protocol.BAD_MESSAGE),
+    ('{"type": "nope"}', protocol.UNKNOWN_TYPE),
+    ('{"type": "done", "id": 1, "lease_token": "00000000-0000-0000-0000-000000000000"}', protocol.BAD_MESSAGE),
+    ('{"type": "done", "id": 1, "lease_token": "x", "result": 1}', protocol.BAD_MESSAGE),
+    ('{"type": "done", "id": -5, "lease_token": "00000000-0000-0000-0000-000000000000", "result": 1}',
+     protocol.BAD_MESSAGE),
+    ('{"type": "done", "id": 7, "lease_token": "00000000-0000-0000-0000-000000000000", "result": 1}',
+     protocol.NOT_HELD),
+    ('{"type": "failed", "id": 7, "lease_token": "00000000-0000-0000-0000-000000000000", "error": "x", '
+     '"retryable": "yes"}', protocol.BAD_MESSAGE),
+    ('{"type": "heartbeat", "ids": [7]}', protocol.NOT_HELD),
+    ('{"type": "hello", "agent": "x", "kinds": ["a"], "capacity": 1, "protocol": 1}', protocol.UNEXPECTED),
+    ('{"type": "done", "id": 1, "lease_token": "00000000-0000-0000-0000-000000000000", "result": NaN}',
+     protocol.BAD_JSON),
+])
+async def test_bad_frames_get_an_error_and_the_connection_goes_on(dsn, pool, frame, code):
+    async with running_server(dsn) as srv:
+        ws, _ = await _raw_agent(srv)
+        await ws.send(frame)
+        err = await _next_of(ws, "error")
+        assert err["code"] == code and err["message"]
+        # Still connected and served: a job arrives.
+        jid = await pool.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('embed') RETURNING id")
+        job = (await _next_of(ws, "jobs"))["jobs"][0]
+        assert job["id"] == jid
+        await ws.send(json.dumps({"type": "done", "id": jid, "lease_token": job["lease_token"], "result": 1}))
+        assert (await _next_of(ws, "ack"))["accepted"] == [jid]
+        await ws.close()
+
+
+async def test_oversized_and_binary_frames_close_with_documented_codes(dsn, pool):
+    async with running_server(dsn, max_payload=4096) as srv:
+        ws, welcome = await _raw_agent(srv)
+        assert welcome["max_payload"] == 4096
+        await ws.send(json.dumps({"type": "heartbeat", "ids": [], "pad": "x" * 5000}))
+        assert await _closed_with(ws) == protocol.CLOSE_TOO_BIG
+        ws, _ = await _raw_agent(srv)
+        await ws.send(b"\x00\x01binary")
+        assert await _closed_with(ws) == protocol.CLOSE_UNSUPPORTED_DATA
+        # A healthy agent is still served by the same server.
+        done = anyio.Event()
+        await srv.agent(["embed"], 1, lambda job: done.set())
+        await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('embed')")
+        with anyio.fail_after(5):
+            await done.wait()
+
+
+@pytest.mark.parametrize("hello, close_code", [
+    ('{"type": "heartbeat", "ids": []}', protocol.CLOSE_PROTOCOL_ERROR),
+    ('{"type": "hello", "agent": "x", "kinds": [], "capacity": 1, "protocol": 1}', protocol.CLOSE_PROTOCOL_ERROR),
+    ('{"type": "hello", "agent": "x", "kinds": ["a,b"], "capacity": 1, "protocol": 1}', protocol.CLOSE_PROTOCOL_ERROR),
+    ('{"type": "hello", "agent": "x", "kinds": ["a"], "capacity": 0, "protocol": 1}', protocol.CLOSE_PROTOCOL_ERROR),
+    ('{"type": "hello", "agent": "x", "kinds": ["a"], "capacity": 1, "protocol": 99}',
+     protocol.CLOSE_UNSUPPORTED_VERSION),
+    ("garbage", protocol.CLOSE_PROTOCOL_ERROR),
+])
+async def test_a_bad_hello_closes_the_connection(dsn, hello, close_code):
+    async with running_server(dsn) as srv:
+        ws = await connect(srv.url, additional_headers=AUTH)
+        await ws.send(hello)
+        assert await _closed_with(ws) == close_code
+
+
+async def test_silent_clients_are_closed_after_the_hello_timeout(dsn, monkeypatch):
+    monkeypatch.setattr(server, "HELLO_TIMEOUT_SECONDS", 0.3)
+    async with running_server(dsn) as srv:
+        ws = await connect(srv.url, additional_headers=AUTH)
+        assert await _closed_with(ws) == protocol.CLOSE_HELLO_TIMEOUT
+
+
+async def test_too_many_errors_close_the_connection(dsn, monkeypatch):
+    monkeypatch.setattr(server, "MAX_ERRORS_PER_CONNECTION", 5)
+    async with running_server(dsn) as srv:
+        ws, _ = await _raw_agent(srv)
+        for _ in range(6):
+            await ws.send("nope")
+        assert await _closed_with(ws) == protocol.CLOSE_PROTOCOL_ERROR
