@@ -19,6 +19,7 @@ sent again after a reconnect; fencing makes a resent result harmless.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import random
 import signal
@@ -80,14 +81,15 @@ class Agent:
         self.name = name or _default_name()
         self.ssl = ssl_context
         self.reconnect_min, self.reconnect_max = reconnect_min, reconnect_max
-        self.connected = anyio.Event()  # set on the first welcome (handy for tests and demos)
+        # asyncio events (not anyio's) so an Agent can be built before the loop runs.
+        self.connected = asyncio.Event()  # set on the first welcome (handy for tests and demos)
         self.completed = 0  # outcomes acknowledged by the server
         self._hello = Hello(self.name, self.kinds, capacity)  # validated below
         protocol.parse_client(encode(self._hello), 1 << 20)
         self._running: dict[int, Job] = {}
         self._unacked: dict[int, str] = {}  # job id -> outcome frame, until the server acks
         self._stopping = False
-        self._stop_event = anyio.Event()
+        self._stop_event = asyncio.Event()
         self._max_frame = 1 << 20  # the server's max_payload, from its welcome
 
     def stop(self) -> None:

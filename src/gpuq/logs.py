@@ -49,5 +49,8 @@ def configure(fmt: str | None = None, level: str | None = None, stream: Any = No
 
 
 def get(name: str) -> Any:
-    """A logger whose events all carry ``logger=name``."""
-    return structlog.get_logger().bind(logger=name)
+    """A logger whose events all carry ``component=name``.
+
+    A lazy proxy: it follows ``configure()`` even when created at import time.
+    """
+    return structlog.get_logger(component=name)

@@ -38,6 +38,8 @@ class SweepReport:
     dead: int = 0
     promoted: int = 0
     pruned: int = 0
+    reclaimed_ids: list[int] = field(default_factory=list)
+    dead_ids: list[int] = field(default_factory=list)
 
     def any(self) -> bool:
         return bool(self.reclaimed or self.dead or self.promoted or self.pruned)
@@ -55,6 +57,8 @@ class Sweeper:
             moved = await queue.reclaim_expired(self.db, self.config.batch)
             report.reclaimed += len(moved.pending)
             report.dead += len(moved.dead)
+            report.reclaimed_ids += moved.pending
+            report.dead_ids += moved.dead
             if len(moved.pending) + len(moved.dead) < self.config.batch:
                 break
         for _ in range(self.config.max_batches):
@@ -91,15 +95,19 @@ class Sweeper:
 
     async def run(self) -> None:
         """Tick forever; a database outage is logged and retried, never fatal."""
-        log.info("sweeper_started", interval_seconds=self.config.interval_seconds,
+        log.info("sweeper.started", interval_seconds=self.config.interval_seconds,
                  retention_seconds=self.config.retention_seconds)
         while True:
             try:
                 report = await self.tick()
             except RETRYABLE_ERRORS as exc:
-                log.warning("sweeper_tick_failed", error=str(exc))
+                log.warning("sweeper.tick_failed", error=str(exc))
             else:
-                if report.any():
-                    log.info("sweeper_tick", reclaimed=report.reclaimed, dead=report.dead,
-                             promoted=report.promoted, pruned=report.pruned)
+                if report.reclaimed:
+                    log.info("job.reclaimed", count=report.reclaimed, job_ids=report.reclaimed_ids[:100])
+                if report.dead:
+                    log.info("job.dead", count=report.dead, job_ids=report.dead_ids[:100],
+                             reason="lease expired after the last attempt")
+                if report.promoted or report.pruned:
+                    log.info("sweeper.tick", promoted=report.promoted, pruned=report.pruned)
             await anyio.sleep(self.config.interval_seconds)

@@ -1,0 +1,441 @@
+"""The ``gpuq`` command: migrate, serve, sweep, agent, enqueue, status, dev, bench.
+
+Every failure an operator can cause (bad flag, unreachable database, missing
+migrations, bad handler path) ends in one ``gpuq: error: ...`` line and a
+non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+
+from gpuq import __version__, logs
+
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+
+
+class CLIError(Exception):
+    """One line for the operator, then exit non-zero."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if getattr(args, "log_format", None) is not None or args.command in LOGGING_COMMANDS:
+            logs.configure(getattr(args, "log_format", None), getattr(args, "log_level", None),
+                           stream=sys.stderr if args.command in STDERR_LOG_COMMANDS else sys.stdout)
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the CLI's one place that turns errors into a line
+        message = _known_error(exc)
+        if message is None:
+            raise
+        print(f"gpuq: error: {message}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+LOGGING_COMMANDS = {"serve", "sweep", "agent", "dev"}
+STDERR_LOG_COMMANDS = {"dev"}  # dev prints progress on stdout
+
+
+def _known_error(exc: BaseException) -> str | None:
+    from gpuq.config import ConfigError
+    from gpuq.db import DatabaseUnavailable
+    from gpuq.devdb import DevDBError
+    from gpuq.migrate import MigrationError
+
+    if isinstance(exc, ConfigError | DatabaseUnavailable | DevDBError | MigrationError | CLIError | ValueError):
+        return str(exc)
+    try:
+        from gpuq.agent import AuthError
+
+        if isinstance(exc, AuthError):
+            return str(exc)
+    except ImportError:  # pragma: no cover
+        pass
+    import asyncpg
+
+    if isinstance(exc, asyncpg.PostgresError):
+        return f"database error: {exc}"
+    if isinstance(exc, OSError):
+        return str(exc)
+    if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        return _known_error(exc.exceptions[0])
+    return None
+
+
+# --------------------------------------------------------------------------
+# Parser
+# --------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpuq", description="Event-driven GPU job queue on PostgreSQL.")
+    p.add_argument("--version", action="version", version=f"gpuq {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    m = sub.add_parser("migrate", help="apply database migrations (safe to run concurrently)")
+    _db_flag(m)
+    m.set_defaults(func=cmd_migrate)
+
+    s = sub.add_parser("serve", help="run the dispatcher, sweeper and agent server")
+    _db_flag(s)
+    s.add_argument("--listen", help="host:port for /agent, /healthz, /status, /metrics "
+                   "(env GPUQ_LISTEN, default 127.0.0.1:8765)")
+    s.add_argument("--tokens", help="comma-separated bearer tokens agents may use (env GPUQ_TOKENS)")
+    s.add_argument("--lease-seconds", type=float, help="lease length (env GPUQ_LEASE_SECONDS, default 60)")
+    s.add_argument("--heartbeat-seconds", type=float,
+                   help="agent heartbeat interval (env GPUQ_HEARTBEAT_SECONDS, default 15)")
+    s.add_argument("--poll-seconds", type=float,
+                   help="lease poll interval while agents have free capacity (env GPUQ_POLL_SECONDS, default 2)")
+    s.add_argument("--retention", help="delete done/dead jobs older than this, e.g. 7d (env GPUQ_RETENTION; "
+                   "default: keep)")
+    s.add_argument("--drain-seconds", type=float,
+                   help="on SIGTERM, how long to wait for agents' results (env GPUQ_DRAIN_SECONDS, default 30)")
+    s.add_argument("--tls-cert", help="PEM certificate: serve wss:// and https:// (env GPUQ_TLS_CERT)")
+    s.add_argument("--tls-key", help="PEM private key for --tls-cert (env GPUQ_TLS_KEY)")
+    _log_flags(s)
+    s.set_defaults(func=cmd_serve)
+
+    w = sub.add_parser("sweep", help="run only the sweeper (reclaim expired leases, promote retries, retention)")
+    _db_flag(w)
+    w.add_argument("--interval", type=float, default=2.0, help="seconds between ticks (default 2)")
+    w.add_argument("--retention", help="delete done/dead jobs older than this, e.g. 7d (default: keep)")
+    w.add_argument("--once", action="store_true", help="run one tick, print what it did, exit")
+    _log_flags(w)
+    w.set_defaults(func=cmd_sweep)
+
+    a = sub.add_parser("agent", help="run an agent that executes jobs with a handler")
+    a.add_argument("--url", default=os.environ.get("GPUQ_URL", "ws://127.0.0.1:8765/agent"),
+                   help="server websocket URL (env GPUQ_URL, default ws://127.0.0.1:8765/agent)")
+    a.add_argument("--token", default=os.environ.get("GPUQ_TOKEN"), help="bearer token (env GPUQ_TOKEN)")
+    a.add_argument("--kinds", default=os.environ.get("GPUQ_KINDS"),
+                   help="comma-separated job kinds to take (env GPUQ_KINDS)")
+    a.add_argument("--capacity", type=int, default=int(os.environ.get("GPUQ_CAPACITY", "1")),
+                   help="jobs run at once (env GPUQ_CAPACITY, default 1)")
+    a.add_argument("--handler", default=os.environ.get("GPUQ_HANDLER", "gpuq.demo:handle"),
+                   help="module:function called per job (env GPUQ_HANDLER, default gpuq.demo:handle)")
+    a.add_argument("--name", default=os.environ.get("GPUQ_AGENT_NAME"),
+                   help="agent name in logs and leased_by (env GPUQ_AGENT_NAME, default: hostname)")
+    a.add_argument("--ca-file", help="CA bundle to verify a wss:// server")
+    _log_flags(a)
+    a.set_defaults(func=cmd_agent)
+
+    e = sub.add_parser("enqueue", help="enqueue a job, or JSON lines from stdin with --stdin")
+    _db_flag(e)
+    e.add_argument("kind", nargs="?", help="job kind (routing key)")
+    e.add_argument("payload", nargs="?", default="{}", help="JSON payload (default {})")
+    e.add_argument("--priority", type=int, default=0, help="higher runs first (default 0)")
+    e.add_argument("--max-attempts", type=int, default=5, help="attempts before dead (default 5)")
+    e.add_argument("--delay", type=float, default=0.0, help="seconds before the job may run")
+    e.add_argument("--dedup-key", help="skip if a live job has this key (prints the live job's id)")
+    e.add_argument("--stdin", action="store_true",
+                   help='bulk: one JSON object per line, {"kind": ..., "payload": ..., "priority": ...}')
+    e.add_argument("--batch", type=int, default=1000, help="rows per INSERT with --stdin (default 1000)")
+    e.set_defaults(func=cmd_enqueue)
+
+    t = sub.add_parser("status", help="live job counts per kind and state (never scans history)")
+    _db_flag(t)
+    t.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    t.add_argument("--server", help="also show connected agents, from a server's /status (http://host:port)")
+    t.set_defaults(func=cmd_status)
+
+    d = sub.add_parser("dev", help="everything on an embedded PostgreSQL under .gpuq/: server, demo agents, "
+                       "a producer, live progress")
+    d.add_argument("--agents", type=int, default=3, help="demo agents (default 3)")
+    d.add_argument("--capacity", type=int, default=4, help="capacity of each demo agent (default 4)")
+    d.add_argument("--rate", type=float, default=50.0, help="jobs enqueued per second (default 50)")
+    d.add_argument("--job-seconds", type=float, default=0.05, help="simulated GPU time per job (default 0.05)")
+    d.add_argument("--duration", type=float, help="stop after this many seconds (default: until Ctrl-C)")
+    d.add_argument("--data-dir", default=".gpuq", help="where the embedded cluster lives (default .gpuq)")
+    d.add_argument("--port", type=int, default=8765, help="server port (default 8765; 0 = any free port)")
+    _log_flags(d)
+    d.set_defaults(func=cmd_dev)
+
+    b = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
+    _register_bench(b)
+    return p
+
+
+def _db_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--database-url", help="PostgreSQL DSN (env DATABASE_URL)")
+
+
+def _log_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-format", choices=logs.FORMATS, help="env GPUQ_LOG_FORMAT, default auto "
+                   "(console on a terminal, else JSON lines)")
+    p.add_argument("--log-level", help="debug, info, warning, error (env GPUQ_LOG_LEVEL, default info)")
+
+
+def _register_bench(b: argparse.ArgumentParser) -> None:
+    try:
+        from gpuq import bench
+    except ImportError as exc:
+        msg = f"benchmarks unavailable: {exc}"
+        b.set_defaults(func=lambda _args: _fail(msg))
+        return
+    bench.register(b)
+    b.set_defaults(func=lambda args: args.bench(args))
+
+
+def _fail(message: str) -> int:
+    raise CLIError(message)
+
+
+def _dsn(args: argparse.Namespace) -> str:
+    dsn = getattr(args, "database_url", None) or os.environ.get("DATABASE_URL")
+    if not dsn:
+        raise CLIError("no database: set DATABASE_URL or --database-url (or run `gpuq dev`)")
+    return dsn
+
+
+# --------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from gpuq.migrate import migrate
+
+    applied = anyio.run(migrate, _dsn(args))
+    print(f"applied {', '.join(applied)}" if applied else "up to date")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from gpuq.config import ServerConfig, parse_duration, parse_listen, parse_tokens
+    from gpuq.server import serve, ssl_context
+
+    config = ServerConfig.from_env(
+        database_url=args.database_url,
+        listen=parse_listen(args.listen) if args.listen else None,
+        tokens=parse_tokens(args.tokens) if args.tokens else None,
+        lease_seconds=args.lease_seconds, heartbeat_seconds=args.heartbeat_seconds,
+        poll_seconds=args.poll_seconds, drain_seconds=args.drain_seconds,
+        retention_seconds=parse_duration(args.retention, "--retention") if args.retention else None,
+    )
+    tls = ssl_context(args.tls_cert or os.environ.get("GPUQ_TLS_CERT"),
+                      args.tls_key or os.environ.get("GPUQ_TLS_KEY"))
+
+    async def run() -> None:
+        stop = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_stop_on_signal, stop)
+            await serve(config, stop=stop, tls=tls)
+            tg.cancel_scope.cancel()
+
+    anyio.run(run)
+    return 0
+
+
+async def _stop_on_signal(stop: anyio.Event, also: Callable[[], None] | None = None) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            stop.set()
+            if also:
+                also()
+            return
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from gpuq import db
+    from gpuq.config import parse_duration
+    from gpuq.sweeper import Sweeper, SweeperConfig
+
+    config = SweeperConfig(interval_seconds=args.interval,
+                           retention_seconds=parse_duration(args.retention, "--retention") if args.retention else None)
+
+    async def run() -> None:
+        pool = await db.create_pool(_dsn(args), min_size=1, max_size=2)
+        try:
+            sweeper = Sweeper(pool, config)
+            if args.once:
+                r = await sweeper.tick()
+                print(json.dumps({"reclaimed": r.reclaimed, "dead": r.dead, "promoted": r.promoted,
+                                  "pruned": r.pruned}))
+                return
+            stop = anyio.Event()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_stop_on_signal, stop)
+                tg.start_soon(sweeper.run)
+                await stop.wait()
+                tg.cancel_scope.cancel()
+        finally:
+            await pool.close()
+
+    anyio.run(run)
+    return 0
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from gpuq.agent import Agent
+
+    if not args.token:
+        raise CLIError("no token: set GPUQ_TOKEN or --token")
+    if not args.kinds:
+        raise CLIError("no kinds: set GPUQ_KINDS or --kinds (comma-separated)")
+    handler = load_handler(args.handler)
+    ctx = None
+    if args.ca_file:
+        import ssl
+
+        ctx = ssl.create_default_context(cafile=args.ca_file)
+    agent = Agent(args.url, args.token, [k.strip() for k in args.kinds.split(",") if k.strip()],
+                  args.capacity, handler, args.name, ssl_context=ctx)
+    anyio.run(agent.run_until_signal)
+    return 0
+
+
+def load_handler(spec: str) -> Callable[..., Any]:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise CLIError(f"handler {spec!r} must look like module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise CLIError(f"cannot import handler module {module_name!r}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise CLIError(f"{spec!r}: {module_name} has no callable {attr!r}")
+    return fn  # type: ignore[no-any-return]
+
+
+def cmd_enqueue(args: argparse.Namespace) -> int:
+    from gpuq import db, queue
+    from gpuq.queue import NewJob
+
+    if args.stdin:
+        if args.kind:
+            raise CLIError("give either a kind and payload, or --stdin, not both")
+        return _enqueue_stdin(args)
+    if not args.kind:
+        raise CLIError("missing job kind (or use --stdin)")
+    job = NewJob(args.kind, _json_arg(args.payload, "payload"), args.priority, args.max_attempts, args.delay,
+                 dedup_key=args.dedup_key)
+
+    async def run() -> int:
+        conn = await db.connect(_dsn(args))
+        try:
+            return (await queue.enqueue_many(conn, [job]))[0]
+        finally:
+            await conn.close()
+
+    print(anyio.run(run))
+    return 0
+
+
+def _enqueue_stdin(args: argparse.Namespace) -> int:
+    from gpuq import db, queue
+    from gpuq.queue import NewJob
+
+    def parse(lineno: int, line: str) -> NewJob:
+        obj = _json_arg(line, f"stdin line {lineno}")
+        if not isinstance(obj, dict) or "kind" not in obj:
+            raise CLIError(f"stdin line {lineno}: expected an object with a \"kind\"")
+        unknown = set(obj) - {"kind", "payload", "priority", "max_attempts", "delay", "dedup_key"}
+        if unknown:
+            raise CLIError(f"stdin line {lineno}: unknown field(s) {', '.join(sorted(unknown))}")
+        try:
+            return NewJob(obj["kind"], obj.get("payload"), obj.get("priority", 0), obj.get("max_attempts", 5),
+                          obj.get("delay", 0.0), dedup_key=obj.get("dedup_key"))
+        except (ValueError, TypeError) as exc:
+            raise CLIError(f"stdin line {lineno}: {exc}") from None
+
+    async def run() -> int:
+        conn = await db.connect(_dsn(args))
+        total, batch = 0, []
+        try:
+            for lineno, line in enumerate(sys.stdin, 1):
+                if line.strip():
+                    batch.append(parse(lineno, line))
+                if len(batch) >= args.batch:
+                    total += len(await queue.enqueue_many(conn, batch))
+                    batch = []
+                    print(f"enqueued {total}", file=sys.stderr)
+            if batch:
+                total += len(await queue.enqueue_many(conn, batch))
+        finally:
+            await conn.close()
+        return total
+
+    print(f"enqueued {anyio.run(run)} jobs")
+    return 0
+
+
+def _json_arg(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise CLIError(f"{what} is not valid JSON: {exc}") from None
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from gpuq import db, queue
+
+    async def run() -> dict[str, Any]:
+        conn = await db.connect(_dsn(args))
+        try:
+            return (await queue.status_counts(conn)).as_dict()
+        finally:
+            await conn.close()
+
+    body = anyio.run(run)
+    if args.server:
+        body["server"] = _fetch_server_status(args.server)
+    if args.json:
+        print(json.dumps(body, indent=2, default=str))
+    else:
+        print(render_status(body))
+    return 0
+
+
+def _fetch_server_status(base: str) -> dict[str, Any]:
+    import urllib.request
+
+    url = base.rstrip("/") + "/status"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - operator-given http(s) URL
+            return dict(json.load(resp))
+    except (OSError, ValueError) as exc:
+        raise CLIError(f"cannot read {url}: {exc}") from None
+
+
+def render_status(body: dict[str, Any]) -> str:
+    live = body["live"]
+    kinds = sorted({k for by_kind in live.values() for k in by_kind})
+    rows = [("kind", "pending", "leased", "scheduled")]
+    rows += [(k, *(str(live[s].get(k, 0)) for s in ("pending", "leased", "scheduled"))) for k in kinds]
+    rows.append(("total", *(str(body["totals"][s]) for s in ("pending", "leased", "scheduled"))))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+             for r in rows]
+    oldest = body["oldest_pending_seconds"]
+    lines.append(f"oldest pending: {oldest:.1f} s" if oldest is not None else "oldest pending: -")
+    lines.append(f"history (done+dead, estimate): {body['history_estimate']}")
+    if "server" in body:
+        lines.append(f"agents connected: {body['server'].get('agents_connected', 0)}")
+        for a in body["server"].get("agents", []):
+            lines.append(f"  {a['agent']}  kinds={','.join(a['kinds'])}  inflight={a['inflight']}/{a['capacity']}")
+    return "\n".join(lines)
+
+
+def cmd_dev(args: argparse.Namespace) -> int:
+    from gpuq.devrun import run_dev
+
+    return run_dev(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
