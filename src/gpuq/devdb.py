@@ -13,6 +13,7 @@ directory is handed to that user.
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import pwd
 import shutil
@@ -250,8 +251,26 @@ def throwaway_cluster() -> Cluster:
 
 
 def dev_cluster(base: Path | None = None) -> Cluster:
-    """The persistent development cluster under ``.gpuq/`` (data kept across runs)."""
+    """The persistent development cluster under ``.gpuq/`` (data kept across runs).
+
+    When we are root and the unprivileged server user cannot reach ``.gpuq/``
+    (a checkout under /root, say, is mode 700), the data lives in
+    /var/tmp/gpuq-dev-<hash of the path> and ``.gpuq/pgdata`` is a symlink to it.
+    """
     base = (base or Path.cwd() / ".gpuq").resolve()
     base.mkdir(parents=True, exist_ok=True)
     base.chmod(0o755)
-    return Cluster(base / "pgdata")
+    data = base / "pgdata"
+    user = _server_user()
+    if user is not None and not data.exists() and not data.is_symlink() and not _user_can_reach(user, base):
+        digest = hashlib.sha256(str(base).encode()).hexdigest()[:12]
+        target = Path("/var/tmp") / f"gpuq-dev-{digest}" / "pgdata"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.parent.chmod(0o755)
+        data.symlink_to(target, target_is_directory=True)
+    return Cluster(data.resolve())
+
+
+def _user_can_reach(user: str, path: Path) -> bool:
+    res = subprocess.run(["test", "-x", str(path)], capture_output=True, cwd="/", **_drop_privileges(user))
+    return res.returncode == 0

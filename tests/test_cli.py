@@ -1,0 +1,121 @@
+"""The gpuq command, run as a real subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SUBCOMMANDS = ["migrate", "serve", "sweep", "agent", "enqueue", "status", "dev", "bench"]
+
+
+def gpuq(*args, env=None, stdin=None, timeout=60):
+    # Only the DATABASE_URL a test gives: never one from the outer environment.
+    full_env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "gpuq.cli", *args], capture_output=True, text=True,
+                          env=full_env, input=stdin, timeout=timeout)
+
+
+@pytest.mark.parametrize("command", [[], *[[c] for c in SUBCOMMANDS]])
+def test_help_works_for_every_command(command):
+    res = gpuq(*command, "--help")
+    assert res.returncode == 0, res.stderr
+    assert "usage: gpuq" in res.stdout
+
+
+def test_enqueue_then_status_shows_the_job(dsn):
+    env = {"DATABASE_URL": dsn}
+    res = gpuq("enqueue", "embed", '{"text": "hi"}', "--priority", "3", env=env)
+    assert res.returncode == 0, res.stderr
+    job_id = int(res.stdout.strip())
+    assert job_id >= 1
+    res = gpuq("status", "--json", env=env)
+    assert res.returncode == 0, res.stderr
+    body = json.loads(res.stdout)
+    assert body["live"]["pending"] == {"embed": 1}
+    assert body["totals"] == {"pending": 1, "leased": 0, "scheduled": 0}
+    table = gpuq("status", env=env)
+    assert "embed" in table.stdout and "oldest pending" in table.stdout
+
+
+def test_bulk_enqueue_from_stdin(dsn):
+    lines = "\n".join(json.dumps({"kind": "k", "payload": {"i": i}}) for i in range(25)) + "\n"
+    res = gpuq("enqueue", "--stdin", "--batch", "10", env={"DATABASE_URL": dsn}, stdin=lines)
+    assert res.returncode == 0, res.stderr
+    assert "enqueued 25 jobs" in res.stdout
+    body = json.loads(gpuq("status", "--json", env={"DATABASE_URL": dsn}).stdout)
+    assert body["totals"]["pending"] == 25
+
+
+def test_bad_stdin_line_is_one_clear_error(dsn):
+    res = gpuq("enqueue", "--stdin", env={"DATABASE_URL": dsn}, stdin='{"kind": "k"}\nnot json\n')
+    assert res.returncode != 0
+    assert res.stderr.strip().startswith("gpuq: error: stdin line 2")
+
+
+def _one_clear_line(res):
+    assert res.returncode != 0
+    assert "Traceback" not in res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gpuq: error:"), res.stderr
+    return lines[0]
+
+
+def test_unreachable_database_is_one_clear_line():
+    line = _one_clear_line(gpuq("status", env={"DATABASE_URL": "postgresql://nobody:secret@127.0.0.1:1/x"}))
+    assert "cannot connect" in line and "secret" not in line  # the password is never printed
+
+
+def test_missing_database_url_is_one_clear_line():
+    assert "DATABASE_URL" in _one_clear_line(gpuq("migrate", env={}))
+
+
+@pytest.mark.parametrize("args", [
+    ["enqueue", "bad,kind"], ["enqueue", "ok", "{not json"], ["enqueue", "ok", "--priority", "99999"],
+])
+def test_bad_enqueue_input_is_one_clear_line(dsn, args):
+    _one_clear_line(gpuq(*args, env={"DATABASE_URL": dsn}))
+
+
+def test_serve_refuses_an_unmigrated_database(server_dsn):
+    import asyncio
+
+    import asyncpg
+
+    async def drop():
+        conn = await asyncpg.connect(server_dsn)
+        await conn.execute("DROP SCHEMA IF EXISTS gpuq CASCADE")
+        await conn.close()
+
+    asyncio.run(drop())
+    line = _one_clear_line(gpuq("serve", env={"DATABASE_URL": server_dsn, "GPUQ_TOKENS": "t",
+                                              "GPUQ_LISTEN": "127.0.0.1:0"}))
+    assert "gpuq migrate" in line
+
+
+def test_serve_without_tokens_and_bad_settings_are_clear(dsn):
+    assert "GPUQ_TOKENS" in _one_clear_line(gpuq("serve", env={"DATABASE_URL": dsn}))
+    line = _one_clear_line(gpuq("serve", env={"DATABASE_URL": dsn, "GPUQ_TOKENS": "t",
+                                              "GPUQ_LEASE_SECONDS": "soon"}))
+    assert "GPUQ_LEASE_SECONDS" in line
+
+
+def test_agent_with_a_bad_handler_is_one_clear_line():
+    line = _one_clear_line(gpuq("agent", "--token", "t", "--kinds", "x", "--handler", "no.such.module:fn"))
+    assert "no.such.module" in line
+
+
+def test_migrate_twice(server_dsn):
+    first = gpuq("migrate", env={"DATABASE_URL": server_dsn})
+    assert first.returncode == 0, first.stderr
+    again = gpuq("migrate", env={"DATABASE_URL": server_dsn})
+    assert again.returncode == 0 and again.stdout.strip() == "up to date"
+
+
+def test_sweep_once(dsn):
+    res = gpuq("sweep", "--once", env={"DATABASE_URL": dsn})
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == {"reclaimed": 0, "dead": 0, "promoted": 0,
+                                                                 "pruned": 0}

@@ -1,0 +1,94 @@
+"""/healthz, /status and /metrics over real HTTP against a running server."""
+
+import json
+import urllib.error
+import urllib.request
+
+import anyio
+
+from gpuq import dispatcher as dispatcher_module
+from gpuq.db import DatabaseUnavailable
+from tests.harness import running_server
+
+
+async def _get(url):
+    def fetch():
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                return resp.status, resp.headers.get("Content-Type"), resp.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.headers.get("Content-Type"), err.read().decode()
+
+    return await anyio.to_thread.run_sync(fetch)
+
+
+async def test_status_counts_match_the_database(dsn, pool):
+    async with running_server(dsn) as srv:
+        await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'embed' FROM generate_series(1, 7)")
+        await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'train' FROM generate_series(1, 2)")
+        await srv.agent(["other"], 2, lambda job: None, name="watcher")
+        code, ctype, body = await _get(srv.http + "/status")
+        assert code == 200 and ctype == "application/json"
+        status = json.loads(body)
+        assert status["live"]["pending"] == {"embed": 7, "train": 2}
+        assert status["totals"]["pending"] == 9
+        assert status["agents_connected"] == 1
+        assert status["agents"][0]["kinds"] == ["other"] and status["agents"][0]["capacity"] == 2
+
+
+def _metric(text, name, **labels):
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{want}}} ") or (not labels and line.startswith(f"{name} ")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_metrics_count_jobs_and_change_after_completions(dsn, pool):
+    async with running_server(dsn) as srv:
+        _, ctype, before = await _get(srv.http + "/metrics")
+        assert ctype.startswith("text/plain")
+        for name in ("gpuq_jobs_leased_total", "gpuq_jobs_completed_total", "gpuq_lease_query_seconds",
+                     "gpuq_lease_batch_size", "gpuq_agents_connected", "gpuq_jobs_inflight",
+                     "gpuq_queue_depth", "gpuq_jobs_reclaimed_total", "gpuq_jobs_failed_total"):
+            assert f"# TYPE {name.removesuffix('_total')}" in before, name
+        done_before = _metric(before, "gpuq_jobs_completed_total", kind="metered")
+        await srv.agent(["metered"], 4, lambda job: "ok")
+        await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'metered' FROM generate_series(1, 30)")
+        with anyio.fail_after(10):
+            while await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'done'") < 30:
+                await anyio.sleep(0.05)
+        await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'nobody' FROM generate_series(1, 3)")
+        _, _, after = await _get(srv.http + "/metrics")
+        assert _metric(after, "gpuq_jobs_completed_total", kind="metered") == done_before + 30
+        assert _metric(after, "gpuq_jobs_leased_total", kind="metered") >= 30
+        assert _metric(after, "gpuq_agents_connected") >= 1
+        assert _metric(after, "gpuq_queue_depth", status="pending") == 3
+
+
+async def test_healthz_turns_503_while_the_listen_connection_is_down(dsn, pool, monkeypatch):
+    async with running_server(dsn) as srv:
+        with anyio.fail_after(5):
+            while (await _get(srv.http + "/healthz"))[0] != 200:
+                await anyio.sleep(0.05)
+        real_connect = dispatcher_module.db.connect
+
+        async def refuse(*args, **kwargs):
+            raise DatabaseUnavailable("injected: LISTEN reconnect refused")
+
+        # Fault injection: the LISTEN connection dies and cannot come back.
+        monkeypatch.setattr(dispatcher_module.db, "connect", refuse)
+        await pool.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query ILIKE 'LISTEN%'")
+        with anyio.fail_after(5):
+            while (res := await _get(srv.http + "/healthz"))[0] != 503:
+                await anyio.sleep(0.05)
+        assert json.loads(res[2]) == {"ok": False, "database": True, "listening": False, "draining": False}
+        monkeypatch.setattr(dispatcher_module.db, "connect", real_connect)
+        with anyio.fail_after(10):
+            while (await _get(srv.http + "/healthz"))[0] != 200:
+                await anyio.sleep(0.1)
+
+
+async def test_unknown_paths_are_404(dsn):
+    async with running_server(dsn) as srv:
+        assert (await _get(srv.http + "/nope"))[0] == 404

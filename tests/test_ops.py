@@ -1,0 +1,85 @@
+"""Operations end to end: `gpuq serve` as a process with JSON logs, and `gpuq dev`."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import anyio
+
+from gpuq.agent import Agent
+
+
+def _start_serve(dsn, *extra):
+    env = {**os.environ, "DATABASE_URL": dsn, "GPUQ_TOKENS": "ops-token", "GPUQ_LISTEN": "127.0.0.1:0",
+           "GPUQ_LOG_FORMAT": "json", "GPUQ_POLL_SECONDS": "0.5"}
+    proc = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "serve", *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+    port: list[int] = []
+    ready = threading.Event()
+
+    def pump():
+        for line in proc.stdout:
+            lines.append(line)
+            if '"server.listening"' in line:
+                port.append(json.loads(line)["port"])
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    return proc, lines, port, ready
+
+
+async def test_serve_logs_json_lines_with_job_ids_and_exits_0_on_sigterm(dsn, pool):
+    proc, lines, port, ready = _start_serve(dsn)
+    try:
+        assert await anyio.to_thread.run_sync(ready.wait, 20) and port, proc.stderr.read()
+        agent = Agent(f"ws://127.0.0.1:{port[0]}/agent", "ops-token", ["logged"], 4, lambda job: {"ok": 1}, "opsy")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(agent.run)
+            ids = [r["id"] for r in await pool.fetch(
+                "INSERT INTO gpuq.jobs (kind) SELECT 'logged' FROM generate_series(1, 20) RETURNING id")]
+            with anyio.fail_after(20):
+                while await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'done'") < 20:
+                    await anyio.sleep(0.05)
+            agent.stop()
+        proc.send_signal(signal.SIGTERM)
+        assert await anyio.to_thread.run_sync(lambda: proc.wait(20)) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    events = [json.loads(line) for line in lines]  # every stdout line is one JSON object
+    names = {e["event"] for e in events}
+    assert {"server.listening", "agent.connected", "lease.batch", "job.done", "agent.disconnected",
+            "dispatcher.drained", "server.stopped"} <= names
+    done_ids = sorted(i for e in events if e["event"] == "job.done" for i in e["job_ids"])
+    assert done_ids == sorted(ids)
+    assert all("timestamp" in e and "level" in e for e in events)
+    connected = [e for e in events if e["event"] == "agent.connected"]
+    assert connected[0]["agent"].startswith("opsy#") and connected[0]["kinds"] == ["logged"]
+    assert not any("ops-token" in line for line in lines)  # tokens are never logged
+
+
+def test_gpuq_dev_runs_end_to_end_from_a_clean_directory(tmp_path):
+    # pytest's tmp_path is mode 700: as root, the server user cannot reach it,
+    # so this also covers the fallback of the data to /var/tmp (symlinked).
+    data = tmp_path / "dot-gpuq"
+    res = subprocess.run([sys.executable, "-m", "gpuq.cli", "dev", "--duration", "6", "--port", "0",
+                          "--agents", "2", "--rate", "40", "--data-dir", str(data)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    last = [ln for ln in res.stdout.splitlines() if ln.startswith("stopped cleanly")][0]
+    completed = int(last.split(" completed")[0].rsplit(" ", 1)[1])
+    assert completed > 50
+    assert "t=" in res.stdout and "agents 2" in res.stdout  # live progress lines
+    assert (data / "pgdata" / "PG_VERSION").exists()  # data kept for the next run
+    again = subprocess.run([sys.executable, "-m", "gpuq.cli", "dev", "--duration", "2", "--port", "0",
+                            "--data-dir", str(data)], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "migrations: up to date" in again.stdout  # the same cluster, reused
+    if (data / "pgdata").is_symlink():
+        import shutil
+
+        shutil.rmtree((data / "pgdata").resolve().parent, ignore_errors=True)
