@@ -102,3 +102,35 @@ async def test_too_many_errors_close_the_connection(dsn, monkeypatch):
         for _ in range(6):
             await ws.send("nope")
         assert await _closed_with(ws) == protocol.CLOSE_PROTOCOL_ERROR
+
+
+async def test_message_flood_is_closed_with_4008(dsn):
+    async with running_server(dsn, max_messages_per_second=20) as srv:
+        ws, _ = await _raw_agent(srv)
+        frame = json.dumps({"type": "heartbeat", "ids": []})
+        with pytest.raises(ConnectionClosed) as info:
+            for _ in range(200):
+                await ws.send(frame)
+                await anyio.sleep(0)
+            await ws.recv()
+        assert info.value.rcvd is not None and info.value.rcvd.code == protocol.CLOSE_RATE_LIMITED
+
+
+async def test_connection_limits_per_address_and_in_total(dsn):
+    async with running_server(dsn, max_connections_per_ip=2) as srv:
+        a, _ = await _raw_agent(srv, name="one")
+        b, _ = await _raw_agent(srv, name="two")
+        with pytest.raises(Exception) as info:
+            await connect(srv.url, additional_headers=AUTH)
+        assert info.value.response.status_code == 429
+        await a.close()
+        await anyio.sleep(0.2)
+        c, _ = await _raw_agent(srv, name="three")  # a slot is free again
+        await b.close()
+        await c.close()
+    async with running_server(dsn, max_connections=1) as srv:
+        a, _ = await _raw_agent(srv)
+        with pytest.raises(Exception) as info:
+            await connect(srv.url, additional_headers=AUTH)
+        assert info.value.response.status_code == 503
+        await a.close()

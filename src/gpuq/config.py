@@ -52,6 +52,9 @@ class ServerConfig:
     sweep_seconds: float = 2.0
     retention_seconds: float | None = None
     drain_seconds: float = 30.0
+    max_connections: int = 10_000  # agent connections, in total
+    max_connections_per_ip: int = 2_000
+    max_messages_per_second: int = 5_000  # per connection, averaged over a 2 s burst
 
     def __post_init__(self) -> None:
         for name in ("lease_seconds", "heartbeat_seconds", "poll_seconds", "sweep_seconds", "drain_seconds"):
@@ -63,8 +66,9 @@ class ServerConfig:
             )
         if self.max_payload < 1024:
             raise ConfigError(f"max_payload must be at least 1024 bytes, not {self.max_payload}")
-        if self.max_batch < 1:
-            raise ConfigError(f"max_batch must be at least 1, not {self.max_batch}")
+        for name in ("max_batch", "max_connections", "max_connections_per_ip", "max_messages_per_second"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, not {getattr(self, name)}")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> ServerConfig:
@@ -97,7 +101,13 @@ DURATIONS = {
     "retention_seconds": "GPUQ_RETENTION",
     "drain_seconds": "GPUQ_DRAIN_SECONDS",
 }
-INTEGERS = {"max_payload": "GPUQ_MAX_PAYLOAD", "max_batch": "GPUQ_MAX_BATCH"}
+INTEGERS = {
+    "max_payload": "GPUQ_MAX_PAYLOAD",
+    "max_batch": "GPUQ_MAX_BATCH",
+    "max_connections": "GPUQ_MAX_CONNECTIONS",
+    "max_connections_per_ip": "GPUQ_MAX_CONNECTIONS_PER_IP",
+    "max_messages_per_second": "GPUQ_MAX_MESSAGES_PER_SECOND",
+}
 
 
 def parse_tokens(text: str) -> frozenset[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import json
 import ssl
+import time
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
@@ -42,6 +43,8 @@ class AgentServer:
     def __init__(self, dispatcher: Dispatcher, config: ServerConfig):
         self.d = dispatcher
         self.config = config
+        self._per_ip: dict[str, int] = {}
+        self._connections = 0
 
     # -- HTTP: endpoints and the auth check of the websocket handshake ---
 
@@ -52,6 +55,12 @@ class AgentServer:
                 log.warning("agent.unauthorized", remote=_remote(connection))
                 return _response(HTTPStatus.UNAUTHORIZED, b"missing or invalid bearer token\n",
                                  "text/plain", [("WWW-Authenticate", 'Bearer realm="gpuq"')])
+            ip = _remote(connection).rsplit(":", 1)[0]
+            if self._connections >= self.config.max_connections:
+                return _response(HTTPStatus.SERVICE_UNAVAILABLE, b"too many connections\n", "text/plain")
+            if self._per_ip.get(ip, 0) >= self.config.max_connections_per_ip:
+                return _response(HTTPStatus.TOO_MANY_REQUESTS, b"too many connections from this address\n",
+                                 "text/plain")
             return None  # go on with the websocket handshake
         if path == "/healthz":
             ok, detail = await self.health()
@@ -108,6 +117,18 @@ class AgentServer:
     # -- websocket: one agent connection ---------------------------------
 
     async def handle(self, ws: ServerConnection) -> None:
+        ip = _remote(ws).rsplit(":", 1)[0]
+        self._connections += 1
+        self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
+        try:
+            await self._handle(ws)
+        finally:
+            self._connections -= 1
+            self._per_ip[ip] -= 1
+            if not self._per_ip[ip]:
+                del self._per_ip[ip]
+
+    async def _handle(self, ws: ServerConnection) -> None:
         hello = await self._hello(ws)
         if hello is None:
             return
@@ -150,8 +171,13 @@ class AgentServer:
 
     async def _reader(self, ws: ServerConnection, session: AgentSession) -> None:
         errors = 0
+        bucket = TokenBucket(self.config.max_messages_per_second, burst_seconds=2.0)
         try:
             async for frame in ws:
+                if not bucket.take():
+                    log.warning("agent.rate_limited", agent=session.id)
+                    await ws.close(protocol.CLOSE_RATE_LIMITED, "too many messages")
+                    return
                 try:
                     await self._on_message(session, protocol.parse_client(frame, self.config.max_payload))
                 except ProtocolError as exc:
@@ -185,6 +211,23 @@ class AgentServer:
             self.d.set_draining(session)
         else:  # a second hello
             raise ProtocolError(protocol.UNEXPECTED, "hello was already received on this connection")
+
+
+class TokenBucket:
+    """``rate`` events per second on average, bursts of ``rate * burst_seconds``."""
+
+    def __init__(self, rate: float, burst_seconds: float):
+        self.rate, self.capacity = rate, rate * burst_seconds
+        self.tokens, self.stamp = self.capacity, time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
 
 
 async def _writer(ws: ServerConnection, outbox: Any) -> None:
