@@ -1,0 +1,20 @@
+"""``gpuq bench``: reproducible performance figures, each ending in one JSON line.
+
+``register(parser)`` adds the benches as sub-commands of the ``gpuq bench``
+parser; each sets ``bench=fn`` where ``fn(args) -> int`` runs synchronously.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from gpuq.bench import lease_history, raw
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench_name", required=True, metavar="BENCH")
+    lease_history.register(sub)
+    raw.register(sub)
+
+
+__all__ = ["register"]

@@ -1,0 +1,56 @@
+"""Each bench in a tiny configuration: it runs, and its last stdout line is its JSON.
+
+No timing is asserted here: figures belong in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuq import bench
+
+
+def run_bench(capsys: pytest.CaptureFixture[str], dsn: str, *argv: str) -> dict[str, Any]:
+    """Parse argv as ``gpuq bench ...`` would, run it on ``dsn``, return its JSON line."""
+    parser = argparse.ArgumentParser(prog="gpuq bench")
+    bench.register(parser)
+    args = parser.parse_args([*argv, "--database-url", dsn, "--yes"])
+    assert args.bench(args) == 0
+    out = capsys.readouterr().out
+    last = out.rstrip("\n").splitlines()[-1]
+    return json.loads(last)
+
+
+def test_lease_history_json(server_dsn: str, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    png = tmp_path / "lease.png"
+    got = run_bench(capsys, server_dsn, "lease-history", "--done", "0,2000", "--batch", "8",
+                    "--repeat", "3", "--plot", str(png))
+    assert got["bench"] == "lease-history" and got["batch"] == 8
+    assert [r["done"] for r in got["rows"]] == [0, 2000]
+    for row in got["rows"]:
+        assert {"done", "gpuq_buffers", "gpuq_ms", "naive_buffers", "naive_ms"} <= row.keys()
+        assert row["gpuq_buffers"] > 0 and row["naive_buffers"] > 0
+        # gpuq finds its rows through the pending partial index, never the primary key.
+        assert "jobs_pending_idx" in row["gpuq_scans"]
+    assert isinstance(got["gpuq_buffer_ratio"], float)
+    assert png.stat().st_size > 1000
+
+
+def test_raw_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    got = run_bench(capsys, server_dsn, "raw", "--jobs", "500", "--batch", "16", "--workers", "2")
+    assert got["bench"] == "raw" and got["jobs"] == 500
+    assert got["raw_jobs_per_s"] > 0
+
+
+def test_explicit_database_needs_yes(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser(prog="gpuq bench")
+    bench.register(parser)
+    args = parser.parse_args(["raw", "--jobs", "10", "--database-url", server_dsn])
+    assert args.bench(args) == 2
+    err = capsys.readouterr().err
+    assert "DROPS" in err and "--yes" in err
