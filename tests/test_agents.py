@@ -6,7 +6,6 @@ import anyio
 import pytest
 from websockets.asyncio.client import connect
 
-from gpuq import protocol
 from gpuq.agent import Agent, AuthError, PermanentError
 from tests.harness import TOKEN, running_server
 
@@ -55,12 +54,12 @@ async def test_killed_agent_returns_its_job_at_once_and_a_late_done_is_fenced(ds
             while await _status(pool, jid) != "done":
                 await anyio.sleep(0.02)
 
-        # The dead agent's result shows up late, on a new connection: refused.
+        # The dead agent's result shows up late, on a new connection: fenced out.
         ws2, _ = await _raw_agent(srv, name="doomed")
         await ws2.send(json.dumps({"type": "done", "id": jid, "lease_token": pushed["lease_token"],
                                    "result": {"by": "doomed"}}))
-        err = await _next_of(ws2, "error")
-        assert err["code"] == protocol.NOT_HELD
+        ack = await _next_of(ws2, "ack")
+        assert ack == {"type": "ack", "accepted": [], "rejected": [jid]}
         await ws2.close()
     row = await pool.fetchrow("SELECT result, attempts FROM gpuq.jobs WHERE id = $1", jid)
     assert row["result"] == {"by": "rescuer"} and row["attempts"] == 2

@@ -31,8 +31,6 @@ async def _closed_with(ws, timeout=5):
     ('{"type": "done", "id": 1, "lease_token": "x", "result": 1}', protocol.BAD_MESSAGE),
     ('{"type": "done", "id": -5, "lease_token": "00000000-0000-0000-0000-000000000000", "result": 1}',
      protocol.BAD_MESSAGE),
-    ('{"type": "done", "id": 7, "lease_token": "00000000-0000-0000-0000-000000000000", "result": 1}',
-     protocol.NOT_HELD),
     ('{"type": "failed", "id": 7, "lease_token": "00000000-0000-0000-0000-000000000000", "error": "x", '
      '"retryable": "yes"}', protocol.BAD_MESSAGE),
     ('{"type": "heartbeat", "ids": [7]}', protocol.NOT_HELD),
@@ -53,6 +51,22 @@ async def test_bad_frames_get_an_error_and_the_connection_goes_on(dsn, pool, fra
         await ws.send(json.dumps({"type": "done", "id": jid, "lease_token": job["lease_token"], "result": 1}))
         assert (await _next_of(ws, "ack"))["accepted"] == [jid]
         await ws.close()
+
+
+async def test_outcomes_for_jobs_never_leased_are_fenced_out(dsn, pool):
+    async with running_server(dsn) as srv:
+        other = await pool.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('else') RETURNING id")
+        ws, _ = await _raw_agent(srv)
+        for msg in ({"type": "done", "id": other, "lease_token": "00000000-0000-0000-0000-000000000000",
+                     "result": "forged"},
+                    {"type": "failed", "id": 424242, "lease_token": "00000000-0000-0000-0000-000000000000",
+                     "error": "forged", "retryable": False}):
+            await ws.send(json.dumps(msg))
+            ack = await _next_of(ws, "ack")
+            assert ack["accepted"] == [] and ack["rejected"] == [msg["id"]]
+        await ws.close()
+    row = await pool.fetchrow("SELECT status::text, result, last_error FROM gpuq.jobs WHERE id = $1", other)
+    assert tuple(row) == ("pending", None, None)
 
 
 async def test_oversized_and_binary_frames_close_with_documented_codes(dsn, pool):

@@ -135,11 +135,15 @@ class Agent:
             self.connected.set()
             for frame in list(self._unacked.values()):  # outcomes the last connection did not see acked
                 await ws.send(frame)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._heartbeats, ws, welcome.heartbeat_seconds)
-                tg.start_soon(self._stop_watcher, ws)
-                await self._reader(ws, tg)
-                tg.cancel_scope.cancel()
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._heartbeats, ws, welcome.heartbeat_seconds)
+                    tg.start_soon(self._stop_watcher, ws)
+                    await self._reader(ws, tg)
+                    tg.cancel_scope.cancel()
+            except BaseExceptionGroup as group:
+                # Report the cause (a dropped connection, usually), not the group.
+                raise _first_leaf(group) from None
 
     async def _reader(self, ws: ClientConnection, tg: Any) -> None:
         async for frame in ws:
@@ -205,6 +209,13 @@ class Agent:
             tg.start_soon(watch)
             await self.run()
             tg.cancel_scope.cancel()
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
 
 
 def _outcome_frame(job: Job, result: Any, max_frame: int) -> str:

@@ -39,8 +39,10 @@ BASE_SETTINGS = {
     "log_min_messages": "warning",
     "log_min_error_statement": "panic",
 }
-# A throwaway cluster does not need to survive a power cut.
-FAST_SETTINGS = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
+# A throwaway cluster does not need to survive a power cut (fsync off), but it
+# must survive a server crash (chaos tests restart it with -m immediate), so
+# commits still wait for the WAL write: synchronous_commit stays on.
+FAST_SETTINGS = {"fsync": "off", "full_page_writes": "off"}
 
 
 class DevDBError(RuntimeError):
@@ -148,7 +150,10 @@ class Cluster:
 
     def restart(self, mode: str = "fast") -> None:
         """Restart on the same port (``mode='immediate'`` simulates a crash)."""
-        self._pg_ctl("restart", "-m", mode, "-w", "-t", "60", "-o", self._server_options())
+        # -l matters: without a log file the new postmaster would inherit our
+        # captured stdout and pg_ctl's caller would wait for EOF forever.
+        self._pg_ctl("restart", "-m", mode, "-w", "-t", "60", "-l", str(self.log_file),
+                     "-o", self._server_options())
 
     def destroy(self) -> None:
         """Stop the server and delete its data (throwaway clusters)."""

@@ -101,19 +101,25 @@ class Dispatcher:
                  inflight=len(session.inflight))
         session.inflight.clear()
 
-    def accepts(self, session: AgentSession, job_id: int, token: str) -> bool:
-        held = session.inflight.get(job_id)
-        return held is not None and held[0] == token
-
     def submit_done(self, session: AgentSession, msg: Done) -> None:
-        kind = session.inflight.pop(msg.id)[1]
-        self.completer.add_done(session, msg, kind)
-        self._credit_freed(session)
+        self.completer.add_done(session, msg, self._settle(session, msg.id, msg.lease_token))
 
     def submit_failed(self, session: AgentSession, msg: Failed) -> None:
-        kind = session.inflight.pop(msg.id)[1]
-        self.completer.add_failed(session, msg, kind)
+        self.completer.add_failed(session, msg, self._settle(session, msg.id, msg.lease_token))
+
+    def _settle(self, session: AgentSession, job_id: int, token: str) -> str:
+        """Free the credit of a reported job; its kind (for metrics), or '?' if not ours.
+
+        An outcome for a job this connection was not given (an agent resending
+        after a reconnect, or a stale one) still goes to the database: the
+        lease token decides there, and the agent gets an ack either way.
+        """
+        held = session.inflight.get(job_id)
+        if held is None or held[0] != token:
+            return "?"
+        del session.inflight[job_id]
         self._credit_freed(session)
+        return held[1]
 
     def set_draining(self, session: AgentSession) -> None:
         session.draining = True

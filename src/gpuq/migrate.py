@@ -49,10 +49,10 @@ class Migration:
 
 
 def migrations_dir() -> Path:
-    """``$GPUQ_MIGRATIONS``, else the repository's top-level ``migrations/``."""
+    """``$GPUQ_MIGRATIONS``, else the SQL shipped in the package (the top-level ``migrations/``)."""
     if env := os.environ.get("GPUQ_MIGRATIONS"):
         return Path(env)
-    return Path(__file__).resolve().parents[2] / "migrations"
+    return Path(__file__).parent / "migrations"
 
 
 def load_migrations(directory: Path | None = None) -> list[Migration]:
