@@ -54,3 +54,14 @@ def test_explicit_database_needs_yes(server_dsn: str, capsys: pytest.CaptureFixt
     assert args.bench(args) == 2
     err = capsys.readouterr().err
     assert "DROPS" in err and "--yes" in err
+
+
+def test_throughput_json_with_pgqueuer(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("pgqueuer")
+    pytest.importorskip("psutil")
+    got = run_bench(capsys, server_dsn, "throughput", "--jobs", "300", "--agents", "1",
+                    "--capacity", "16", "--compare", "pgqueuer", "--pgq-workers", "1")
+    assert got["bench"] == "throughput" and got["jobs"] == 300
+    assert {"gpuq_jobs_per_s", "pgqueuer_jobs_per_s", "ratio", "raw_jobs_per_s",
+            "fraction_of_raw", "serve_cpu_s"} <= got.keys()
+    assert got["agents_used"] == 1

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 
-from gpuq.bench import lease_history, raw
+from gpuq.bench import lease_history, raw, throughput
 
 
 def register(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_name", required=True, metavar="BENCH")
     lease_history.register(sub)
     raw.register(sub)
+    throughput.register(sub)
 
 
 __all__ = ["register"]

@@ -89,7 +89,7 @@ def run_bench(
     except Refused as exc:
         print(f"gpuq bench: {exc}", file=sys.stderr)
         return 2
-    except (DevDBError, DatabaseUnavailable, OSError, asyncpg.PostgresError) as exc:
+    except (DevDBError, DatabaseUnavailable, OSError, RuntimeError, asyncpg.PostgresError) as exc:
         print(f"gpuq bench: {exc}", file=sys.stderr)
         return 1
     emit(result)

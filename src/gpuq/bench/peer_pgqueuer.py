@@ -297,3 +297,124 @@ def _quiet_pgqueuer_logs() -> None:
     import logging
 
     logging.getLogger("pgqueuer").setLevel(logging.WARNING)
+
+
+# --------------------------------------------------------------------------
+# End to end: consumers idle and listening, then the producer inserts
+# --------------------------------------------------------------------------
+
+# Completion is a DELETE from pgqueuer + an INSERT into pgqueuer_log
+# ('successful') in one statement, so an empty queue table means every result
+# is committed. created = now() of the inserting/completing transaction.
+_QUEUE_EMPTY = "SELECT NOT EXISTS (SELECT 1 FROM pgqueuer)"
+_E2E = """
+SELECT extract(epoch FROM max(created) FILTER (WHERE status = 'successful')
+                         - min(created) FILTER (WHERE status = 'queued'))::float8 AS seconds,
+       count(*) FILTER (WHERE status = 'successful') AS done
+FROM pgqueuer_log
+"""
+
+
+async def _serve_until(dsn: str, workers: int, batch_size: int, ready: Any, stop: Any) -> None:
+    from pgqueuer import QueueManager
+    from pgqueuer.db import AsyncpgDriver
+    from pgqueuer.models import Job
+    from pgqueuer.queries import Queries
+
+    qms, conns = [], []
+    for _ in range(workers):
+        conn = await asyncpg.connect(dsn)
+        qm = QueueManager(Queries(AsyncpgDriver(conn)))
+
+        @qm.entrypoint(ENTRYPOINT)
+        async def noop(job: Job) -> None:
+            return None
+
+        qms.append(qm)
+        conns.append(conn)
+    loop = asyncio.get_running_loop()
+
+    async def stopper() -> None:
+        await loop.run_in_executor(None, stop.wait)
+        for qm in qms:
+            qm.shutdown.set()
+
+    async def signal_ready() -> None:
+        await asyncio.sleep(1.0)  # run() has checked the schema and is LISTENing by now
+        ready.set()
+
+    tasks = [asyncio.create_task(stopper()), asyncio.create_task(signal_ready())]
+    try:
+        await asyncio.gather(*(qm.run(batch_size=batch_size, dequeue_timeout=timedelta(seconds=5))
+                               for qm in qms))
+    finally:
+        for t in tasks:
+            t.cancel()
+        for conn in conns:
+            await conn.close()
+
+
+def _serve_process(dsn: str, workers: int, batch_size: int, use_uvloop: bool,
+                   ready: Any, stop: Any) -> None:
+    _quiet_pgqueuer_logs()
+    _run_loop(_serve_until(dsn, workers, batch_size, ready, stop), use_uvloop)
+
+
+async def end_to_end(dsn: str, n: int, *, chunk: int = ENQUEUE_CHUNK, batch_size: int = DEFAULT_BATCH,
+                     workers: int = DEFAULT_WORKERS, processes: int = 1, use_uvloop: bool = True,
+                     cpu_of: Any = None, pg_pid: int | None = None,
+                     timeout: float = 900.0) -> dict[str, Any]:
+    """Consumers first (idle, listening), then n jobs inserted ``chunk`` at a time.
+
+    Returns end-to-end seconds (first insert -> last result committed, from the
+    database's own timestamps), jobs/s, and the CPU seconds of the consumers
+    (and of the PostgreSQL server ``pg_pid``, with its backends) when
+    ``cpu_of(pids)`` is given.
+    """
+    _require()
+    from pgqueuer.db import AsyncpgDriver
+    from pgqueuer.queries import Queries
+
+    await install(dsn)
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    readies = [ctx.Event() for _ in range(processes)]
+    procs = [ctx.Process(target=_serve_process,
+                         args=(dsn, workers, batch_size, use_uvloop, r, stop), daemon=True)
+             for r in readies]
+    for p in procs:
+        p.start()
+    conn = await asyncpg.connect(dsn)
+    try:
+        for r in readies:
+            if not await asyncio.to_thread(r.wait, 60):
+                raise RuntimeError("pgqueuer consumer process did not start")
+        cpu0 = cpu_of([p.pid for p in procs]) if cpu_of else 0.0
+        pg0 = cpu_of([pg_pid]) if cpu_of and pg_pid else None
+        q = Queries(AsyncpgDriver(conn))
+        for lo in range(0, n, chunk):
+            k = min(chunk, n - lo)
+            await q.enqueue([ENTRYPOINT] * k, [None] * k, [0] * k)
+        deadline = time.monotonic() + timeout
+        while not await conn.fetchval(_QUEUE_EMPTY):
+            if time.monotonic() > deadline:
+                raise RuntimeError("pgqueuer did not finish in time")
+            await asyncio.sleep(0.05)
+        cpu1 = cpu_of([p.pid for p in procs]) if cpu_of else 0.0
+        pg1 = cpu_of([pg_pid]) if cpu_of and pg_pid else None
+        row = await conn.fetchrow(_E2E)
+    finally:
+        stop.set()
+        await conn.close()
+        for p in procs:
+            await asyncio.to_thread(p.join, 15)
+            if p.is_alive():
+                p.terminate()
+    if row["done"] != n:
+        raise RuntimeError(f"pgqueuer completed {row['done']} jobs, expected {n}")
+    seconds = float(row["seconds"])
+    return {"jobs": n, "seconds": round(seconds, 3), "jobs_per_s": round(n / seconds, 1),
+            "consumer_cpu_s": round(cpu1 - cpu0, 2),
+            "postgres_cpu_s": round(pg1 - pg0, 2) if pg0 is not None and pg1 is not None else None,
+            "batch_size": batch_size, "workers": workers,
+            "processes": processes, "chunk": chunk}

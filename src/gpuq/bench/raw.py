@@ -57,7 +57,7 @@ def main(args: argparse.Namespace) -> int:
     return run_bench(args, body)
 
 
-async def run(dsn: str, jobs: int, batch: int, workers: int) -> dict[str, Any]:
+async def run(dsn: str, jobs: int, batch: int, workers: int, quiet: bool = False) -> dict[str, Any]:
     await reset_gpuq_schema(dsn)
     conns = [await connect(dsn) for _ in range(workers)]
     try:
@@ -111,6 +111,8 @@ async def run(dsn: str, jobs: int, batch: int, workers: int) -> dict[str, Any]:
         "leases": sum(leases),
         "postgres": settings,
     }
+    if quiet:
+        return result
     print_settings(settings)
     print_table(["jobs", "batch", "workers", "insert s", "consume s", "jobs/s"],
                 [[jobs, batch, workers, result["insert_s"], result["elapsed_s"],
