@@ -1,6 +1,7 @@
 """Two-phase leasing: O(batch) on the pending partial index, then expired leases."""
 
 import asyncio
+import json
 
 from gpuq import queue
 from tests.helpers import add_pending, expire_leases, job, seed_history
@@ -155,3 +156,20 @@ async def test_lease_slots_spread_one_batch_over_agents(conn):
     got = await queue.lease_slots(conn, ["train"], ["x#1", "y#1"] * 4, LEASE)
     assert [j.leased_by for j in got.jobs] == ["x#1", "y#1", "x#1", "y#1", "x#1"]
     assert got.reclaimed == 4
+
+
+async def test_stale_statistics_cannot_turn_the_lease_into_a_scan_of_pending(conn):
+    """ANALYZE saw 2 pending rows; then 20k arrive, and the session's costs
+    favour reading everything (as a mis-estimating planner does). The lease
+    must still walk the pending index in order and stop after the batch."""
+    await seed_history(conn, 1000)
+    await add_pending(conn, 2)
+    await conn.execute("ANALYZE gpuq.jobs")
+    await add_pending(conn, 20_000)
+    await conn.execute("SET random_page_cost = 40; SET effective_cache_size = '8kB'")
+    plan = await queue.explain_lease_pending(conn, ["train"], 64)
+    text = json.dumps(plan)
+    assert "Bitmap Heap Scan" not in text and "Seq Scan" not in text
+    assert queue.plan_buffers(plan, reads_only=True) < 150  # 20k pending rows span ~150+ pages
+    got = await queue.lease(conn, ["train"], 64, "a#1", LEASE)
+    assert len(got.jobs) == 64

@@ -124,3 +124,30 @@ async def test_cancel_live_job_fences_out_the_running_agent(conn):
     row = await job(conn, j.id)
     assert row["status"] == "dead" and row["last_error"] == "cancelled"
     assert not await queue.cancel(conn, j.id)  # already finished
+
+
+async def test_completer_isolates_an_outcome_the_database_refuses(pool):
+    import json as _json
+
+    from gpuq.dispatcher import AgentSession, Dispatcher
+    from gpuq.protocol import Done
+    from tests.harness import server_config
+
+    async with pool.acquire() as conn:
+        await add_pending(conn, 2)
+        jobs = (await queue.lease(conn, ["train"], 2, "s#1", LEASE)).jobs
+    sent: list[str] = []
+
+    async def close(code, reason):
+        return None
+
+    d = Dispatcher(pool, server_config("unused"))
+    session = AgentSession("s", frozenset({"train"}), 2, push=sent.append, close=close, id="s#1")
+    d.completer.add_done(session, Done(jobs[0].id, jobs[0].lease_token, {"t": "nul\x00"}), "train")
+    d.completer.add_done(session, Done(jobs[1].id, jobs[1].lease_token, {"t": "fine"}), "train")
+    await d.completer.flush()
+    acks = [_json.loads(f) for f in sent]
+    assert {i for a in acks for i in a["accepted"]} == {jobs[1].id}
+    assert {i for a in acks for i in a["rejected"]} == {jobs[0].id}
+    assert await pool.fetchval("SELECT status::text FROM gpuq.jobs WHERE id = $1", jobs[1].id) == "done"
+    assert await pool.fetchval("SELECT status::text FROM gpuq.jobs WHERE id = $1", jobs[0].id) == "leased"

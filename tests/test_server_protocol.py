@@ -148,3 +148,22 @@ async def test_connection_limits_per_address_and_in_total(dsn):
             await connect(srv.url, additional_headers=AUTH)
         assert info.value.response.status_code == 503
         await a.close()
+
+
+async def test_a_result_postgres_cannot_store_is_refused_and_blocks_nothing(dsn, pool):
+    """Found by the fuzzer: U+0000 in a result made every later batch fail."""
+    async with running_server(dsn) as srv:
+        ws, _ = await _raw_agent(srv, capacity=2)
+        await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'embed' FROM generate_series(1, 2)")
+        jobs = []
+        while len(jobs) < 2:
+            jobs += (await _next_of(ws, "jobs"))["jobs"]
+        bad, good = jobs
+        await ws.send(json.dumps({"type": "done", "id": bad["id"], "lease_token": bad["lease_token"],
+                                  "result": {"text": "nul\u0000here"}}))
+        assert (await _next_of(ws, "error"))["code"] == protocol.BAD_MESSAGE
+        await ws.send(json.dumps({"type": "failed", "id": good["id"], "lease_token": good["lease_token"],
+                                  "error": "oops\u0000", "retryable": False}))
+        assert (await _next_of(ws, "ack"))["accepted"] == [good["id"]]
+        await ws.close()
+    assert await pool.fetchval("SELECT last_error FROM gpuq.jobs WHERE id = $1", good["id"]) == "oops\ufffd"

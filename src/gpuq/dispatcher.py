@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import asyncpg
 
 from gpuq import db, logs, metrics, queue
 from gpuq.config import ServerConfig
@@ -330,7 +331,32 @@ class Completer:
     async def flush(self) -> None:
         async with self._lock:
             while self._done or self._failed or self.orphans:
-                await self._flush_once()
+                try:
+                    await self._flush_once()
+                except asyncpg.DataError:
+                    # One outcome the database refuses must not block the batch
+                    # forever: write them one by one and refuse the bad ones.
+                    await self._flush_singly()
+
+    async def _flush_singly(self) -> None:
+        done, failed = self._done[:1000], self._failed[:1000]
+        del self._done[:len(done)], self._failed[:len(failed)]
+        for item in done:
+            self._done.append(item)
+            await self._flush_or_refuse(item, self._done)
+        for item in failed:
+            self._failed.append(item)
+            await self._flush_or_refuse(item, self._failed)
+
+    async def _flush_or_refuse(self, item: Any, pending: list[Any]) -> None:
+        try:
+            await self._flush_once()
+        except asyncpg.DataError as exc:
+            pending.remove(item)
+            session, msg, _kind = item
+            log.error("job.outcome_refused", job_id=msg.id, agent=session.id, error=str(exc))
+            metrics.RESULTS_REJECTED.inc()
+            session.push(encode(Ack((), (msg.id,))))
 
     async def _flush_once(self) -> None:
         done, failed, orphans = self._done[:1000], self._failed[:1000], self.orphans[:1000]

@@ -121,6 +121,9 @@ def parse_client(frame: str | bytes, max_size: int) -> ClientMessage:
     if kind == "hello":
         return _hello(obj)
     if kind == "done":
+        # PostgreSQL's jsonb cannot store U+0000: refuse it here, not in a batch write.
+        if "\\u0000" in frame and "\\u0000" in json.dumps(obj["result"]):
+            raise ProtocolError(BAD_MESSAGE, "done.result must not contain the character U+0000")
         return Done(_job_id(obj["id"]), _token(obj["lease_token"]), obj["result"])
     if kind == "failed":
         error = obj["error"]
@@ -128,8 +131,8 @@ def parse_client(frame: str | bytes, max_size: int) -> ClientMessage:
             raise ProtocolError(BAD_MESSAGE, "failed.error must be a string")
         if not isinstance(obj["retryable"], bool):
             raise ProtocolError(BAD_MESSAGE, "failed.retryable must be true or false")
-        return Failed(_job_id(obj["id"]), _token(obj["lease_token"]), error[:MAX_ERROR_TEXT],
-                      obj["retryable"])
+        return Failed(_job_id(obj["id"]), _token(obj["lease_token"]),
+                      error[:MAX_ERROR_TEXT].replace("\x00", "\ufffd"), obj["retryable"])
     if kind == "heartbeat":
         ids = obj["ids"]
         if not isinstance(ids, list) or len(ids) > MAX_HEARTBEAT_IDS:

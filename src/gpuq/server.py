@@ -133,8 +133,15 @@ class AgentServer:
         if hello is None:
             return
         outbox_send, outbox_recv = anyio.create_memory_object_stream[str](max_buffer_size=float("inf"))
-        session = AgentSession(hello.agent, frozenset(hello.kinds), hello.capacity,
-                               push=outbox_send.send_nowait, close=ws.close)
+        def push(frame: str) -> None:
+            # An ack or job for a connection that just ended is dropped: the
+            # agent resends outcomes, and unregister() returns its jobs.
+            try:
+                outbox_send.send_nowait(frame)
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                pass
+
+        session = AgentSession(hello.agent, frozenset(hello.kinds), hello.capacity, push=push, close=ws.close)
         await ws.send(encode(Welcome(session.id, self.config.lease_seconds, self.config.heartbeat_seconds,
                                      self.config.max_payload)))
         self.d.register(session)
@@ -201,7 +208,11 @@ class AgentServer:
         elif isinstance(msg, Heartbeat):
             held = [i for i in msg.ids if i in session.inflight]
             if held:
-                await self.d.heartbeat(session, tuple(held))
+                try:
+                    await self.d.heartbeat(session, tuple(held))
+                except db.RETRYABLE_ERRORS as exc:
+                    # The database is away: the next heartbeat extends the lease.
+                    log.warning("heartbeat.failed", agent=session.id, error=str(exc))
             if len(held) < len(msg.ids):
                 foreign = sorted(set(msg.ids) - set(held))[:20]
                 raise ProtocolError(protocol.NOT_HELD, f"heartbeat for jobs not leased to this connection: {foreign}")

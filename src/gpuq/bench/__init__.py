@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpuq.bench import lease_history, raw, throughput
+from gpuq.bench import chaos, fuzz, lease_history, raw, soak, throughput
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -16,6 +16,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     lease_history.register(sub)
     raw.register(sub)
     throughput.register(sub)
+    chaos.register(sub)
+    soak.register(sub)
+    fuzz.register(sub)
 
 
 __all__ = ["register"]

@@ -1,0 +1,343 @@
+"""Protocol fuzzing against a live server (``gpuq bench fuzz``; the suite runs a shorter profile).
+
+Hypothesis generates frames (random text and bytes, random JSON, and valid
+messages mutated: keys dropped or added, values swapped for odd types, huge
+numbers, unicode, stale lease tokens, oversized padding). Each frame goes to
+the server on an authenticated connection, followed by a sentinel whose reply
+is known. The frame must be answered (``error`` or ``ack``) or the connection
+closed with a documented close code, and the sentinel's reply must arrive:
+the server never hangs and never crashes. Afterwards the database must show
+that no job changed except through its lease holder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+import uuid
+from typing import Any
+
+import anyio
+
+from gpuq import protocol
+from gpuq.config import ServerConfig
+
+TOKEN = "fuzz-token"
+MAX_PAYLOAD = 4096
+SENTINEL = json.dumps({"type": "heartbeat", "ids": [protocol.MAX_JOB_ID]})
+
+
+class ThreadedServer:
+    """``gpuq.server.serve`` on its own event loop in a thread (for sync clients)."""
+
+    def __init__(self, dsn: str, **overrides: Any):
+        self.config = ServerConfig(database_url=dsn, listen=("127.0.0.1", 0), tokens=frozenset({TOKEN}),
+                                   max_payload=MAX_PAYLOAD, lease_seconds=300, heartbeat_seconds=10,
+                                   drain_seconds=2, **overrides)
+        self.port = 0
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: anyio.Event | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, daemon=True)
+
+    def __enter__(self) -> ThreadedServer:
+        self._thread.start()
+        if not self._ready.wait(30) or not self.port:
+            raise RuntimeError(f"fuzz server did not start: {self._error!r}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/agent"
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    def _main(self) -> None:
+        from gpuq.server import serve
+
+        async def run() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = anyio.Event()
+
+            def ready(port: int) -> None:
+                self.port = port
+                self._ready.set()
+
+            await serve(self.config, stop=self._stop, on_ready=ready)
+
+        try:
+            anyio.run(run)
+        except BaseException as exc:  # noqa: BLE001 - reported by alive() and __enter__
+            self._error = exc
+        finally:
+            self._ready.set()
+
+
+def strategies(stale_tokens: list[str], stale_ids: list[int]) -> Any:
+    """The frames to send: a hypothesis strategy of ``str | bytes``."""
+    from hypothesis import strategies as st
+
+    json_leaf = (st.none() | st.booleans() | st.integers(-(2**80), 2**80) | st.floats(allow_nan=False)
+                 | st.text(max_size=30))
+    json_value = st.recursive(json_leaf, lambda inner: st.lists(inner, max_size=4)
+                              | st.dictionaries(st.text(max_size=10), inner, max_size=4), max_leaves=12)
+    token = st.sampled_from(stale_tokens) | st.uuids().map(str) | st.text(max_size=40)
+    job_id = st.sampled_from(stale_ids) | st.integers(-(2**70), 2**70)
+    valid = st.one_of(
+        st.builds(lambda i, t, r: {"type": "done", "id": i, "lease_token": t, "result": r}, job_id, token, json_value),
+        st.builds(lambda i, t, e, r: {"type": "failed", "id": i, "lease_token": t, "error": e, "retryable": r},
+                  job_id, token, st.text(max_size=50), st.booleans()),
+        st.builds(lambda ids: {"type": "heartbeat", "ids": ids}, st.lists(job_id, max_size=5)),
+        st.just({"type": "drain"}),
+        st.builds(lambda a, k, c, p: {"type": "hello", "agent": a, "kinds": k, "capacity": c, "protocol": p},
+                  st.text(max_size=20), st.lists(st.text(max_size=10), max_size=3), st.integers(-5, 5000),
+                  st.integers(0, 3)),
+    )
+
+    def mutate(msg: dict[str, Any], how: int, key: str, value: Any) -> Any:
+        msg = dict(msg)
+        keys = sorted(msg)
+        if how == 0 and len(keys) > 1:  # drop a field
+            msg.pop(keys[len(key) % len(keys)])
+        elif how == 1:  # add a field
+            msg[key or "extra"] = value
+        elif how == 2:  # replace a field's value
+            msg[keys[len(key) % len(keys)]] = value
+        elif how == 3:  # change the type name
+            msg["type"] = key
+        return msg
+
+    mutated = st.builds(mutate, valid, st.integers(0, 4), st.text(max_size=8), json_value)
+    as_text = (valid | mutated | json_value).map(lambda v: json.dumps(v, allow_nan=True))
+    oversized = st.integers(MAX_PAYLOAD + 1, MAX_PAYLOAD * 3).map(
+        lambda n: json.dumps({"type": "heartbeat", "ids": [], "pad": "x" * n}))
+    return st.one_of(as_text, as_text, as_text, st.text(max_size=200), st.binary(max_size=100), oversized,
+                     st.sampled_from(["", "{", "null", "[]", '{"type": null}', "NaN", '{"type": "done"}' * 3]))
+
+
+class Client:
+    """A sync websocket agent that reconnects whenever the server closes on it."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.ws: Any = None
+        self.closes: dict[int, int] = {}
+
+    def _open(self) -> Any:
+        from websockets.sync.client import connect
+
+        ws = connect(self.url, additional_headers={"Authorization": f"Bearer {TOKEN}"}, open_timeout=10,
+                     legacy=True)
+        ws.send(json.dumps({"type": "hello", "agent": "fuzzer", "kinds": ["fuzz-nothing"], "capacity": 1,
+                            "protocol": 1}))
+        assert json.loads(ws.recv(timeout=10))["type"] == "welcome"
+        return ws
+
+    def check(self, frame: str | bytes) -> None:
+        """Send one frame then the sentinel; fail unless both are handled as documented."""
+        from websockets.exceptions import ConnectionClosed
+
+        if self.ws is None:
+            self.ws = self._open()
+        try:
+            self.ws.send(frame)
+            self.ws.send(SENTINEL)
+            while True:
+                reply = json.loads(self.ws.recv(timeout=10))
+                if reply["type"] not in ("error", "ack"):
+                    raise AssertionError(f"unexpected reply {reply!r} to {frame!r:.200}")
+                if reply["type"] == "error" and reply["code"] not in KNOWN_ERRORS:
+                    raise AssertionError(f"undocumented error code {reply['code']!r}")
+                if reply["type"] == "error" and reply["code"] == protocol.NOT_HELD and str(protocol.MAX_JOB_ID) in reply["message"]:
+                    return  # the sentinel's answer: everything before it was handled
+        except ConnectionClosed as exc:
+            code = exc.rcvd.code if exc.rcvd else None
+            if code not in protocol.CLOSE_CODES:
+                raise AssertionError(f"closed with undocumented code {code} after {frame!r:.200}") from None
+            self.closes[code] = self.closes.get(code, 0) + 1
+            self.ws = None
+        except TimeoutError:
+            raise AssertionError(f"no answer within 10 s to {frame!r:.200}") from None
+
+    def close(self) -> None:
+        if self.ws is not None:
+            self.ws.close()
+
+
+KNOWN_ERRORS = {protocol.BAD_JSON, protocol.BAD_MESSAGE, protocol.UNKNOWN_TYPE, protocol.UNEXPECTED,
+                protocol.TOO_LARGE, protocol.NOT_HELD}
+
+
+async def prepare(dsn: str) -> dict[str, Any]:
+    """Jobs the fuzzer must not be able to touch: pending, leased to a victim, and finished ones
+    whose (now stale) tokens the fuzzer replays."""
+    from gpuq import db, queue
+
+    conn = await db.connect(dsn)
+    try:
+        await conn.execute("INSERT INTO gpuq.jobs (kind) SELECT 'victim' FROM generate_series(1, 30)")
+        finished = (await queue.lease(conn, ["victim"], 10, "gone#00000000", 300)).jobs
+        await queue.complete_many(conn, [(j.id, j.lease_token, {"by": "owner"}) for j in finished])
+        held = (await queue.lease(conn, ["victim"], 10, "victim#00000000", 300)).jobs
+        snapshot = await _snapshot(conn)
+    finally:
+        await conn.close()
+    return {"stale_tokens": [j.lease_token for j in finished + held[:0]] + [str(uuid.uuid4())],
+            "stale_ids": [j.id for j in finished + held] + [1, 2**62], "snapshot": snapshot}
+
+
+async def _snapshot(conn: Any) -> list[tuple[Any, ...]]:
+    rows = await conn.fetch("SELECT id, status::text, attempts, lease_token, leased_by, result::text, "
+                            "last_error, lease_expires_at FROM gpuq.jobs ORDER BY id")
+    return [tuple(r) for r in rows]
+
+
+async def unchanged(dsn: str, before: list[tuple[Any, ...]]) -> list[Any]:
+    """Rows that differ from the snapshot (must be none)."""
+    from gpuq import db
+
+    conn = await db.connect(dsn)
+    try:
+        after = await _snapshot(conn)
+    finally:
+        await conn.close()
+    return [(a, b) for a, b in zip(before, after, strict=False) if a != b] + (
+        [("row count", len(before), len(after))] if len(before) != len(after) else [])
+
+
+def run_fuzz(dsn: str, examples: int, seed: int | None = None) -> dict[str, Any]:
+    """Fuzz a live server with ``examples`` frames; raise on any violation; return figures."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import seed as hseed
+
+    state = anyio.run(prepare, dsn)
+    figures: dict[str, Any] = {"examples": 0}
+    with ThreadedServer(dsn) as server:
+        client = Client(server.url)
+
+        @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
+                  suppress_health_check=list(HealthCheck))
+        @given(strategies(state["stale_tokens"], state["stale_ids"]))
+        def fuzz(frame: str | bytes) -> None:
+            figures["examples"] += 1
+            client.check(frame)
+            assert server.alive(), "the server died"
+
+        if seed is not None:
+            fuzz = hseed(seed)(fuzz)
+        fuzz()
+        client.close()
+        figures["closes"] = {str(k): v for k, v in sorted(client.closes.items())}
+        figures["healthy_agent_served"] = _healthy_agent_is_served(server, dsn)
+    changed = anyio.run(unchanged, dsn, state["snapshot"])
+    if changed:
+        raise AssertionError(f"jobs changed by the fuzzer: {changed[:5]}")
+    figures["jobs_changed"] = 0
+    return figures
+
+
+def _healthy_agent_is_served(server: ThreadedServer, dsn: str) -> bool:
+    from websockets.sync.client import connect
+
+    async def insert() -> int:
+        from gpuq import db
+
+        conn = await db.connect(dsn)
+        try:
+            return int(await conn.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('healthy') RETURNING id"))
+        finally:
+            await conn.close()
+
+    with connect(server.url, additional_headers={"Authorization": f"Bearer {TOKEN}"}) as ws:
+        ws.send(json.dumps({"type": "hello", "agent": "healthy", "kinds": ["healthy"], "capacity": 1,
+                            "protocol": 1}))
+        ws.recv(timeout=10)
+        jid = anyio.run(insert)
+        msg = json.loads(ws.recv(timeout=10))
+        job = msg["jobs"][0]
+        ws.send(json.dumps({"type": "done", "id": job["id"], "lease_token": job["lease_token"], "result": 1}))
+        ack = json.loads(ws.recv(timeout=10))
+    anyio.run(_delete, dsn, jid)  # keep the snapshot comparison exact
+    return bool(job["id"] == jid and ack["accepted"] == [jid])
+
+
+async def _delete(dsn: str, jid: int) -> None:
+    from gpuq import db
+
+    conn = await db.connect(dsn)
+    try:
+        await conn.execute("DELETE FROM gpuq.jobs WHERE id = $1", jid)
+    finally:
+        await conn.close()
+
+
+# -- gpuq bench fuzz --------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--examples", type=int, default=20_000, help="frames to send (default 20000)")
+    p.add_argument("--seed", type=int, help="hypothesis seed (default: derandomized)")
+    p.add_argument("--database-url", help="PostgreSQL DSN; its gpuq schema is dropped and recreated "
+                   "(default: a throwaway embedded cluster)")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("fuzz", help="protocol fuzzing against a live server (hypothesis)")
+    add_arguments(p)
+    p.set_defaults(bench=bench)
+
+
+def bench(args: argparse.Namespace) -> int:
+    import time
+
+    from gpuq import devdb
+    from gpuq.migrate import migrate
+
+    cluster = None
+    dsn = args.database_url
+    if not dsn:
+        cluster = devdb.throwaway_cluster()
+        dsn = cluster.ensure_started()
+    try:
+        anyio.run(_reset, dsn)
+        anyio.run(migrate, dsn)
+        t0 = time.monotonic()
+        figures = run_fuzz(dsn, args.examples, args.seed)
+        figures["seconds"] = round(time.monotonic() - t0, 1)
+    finally:
+        if cluster is not None:
+            cluster.destroy()
+    print(f"fuzzed {figures['examples']} frames in {figures['seconds']} s: server stayed up, "
+          f"closes by code {figures['closes']}, jobs changed: 0", file=sys.stderr)
+    print(json.dumps({"bench": "fuzz", **figures}))
+    return 0
+
+
+async def _reset(dsn: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute("DROP SCHEMA IF EXISTS gpuq CASCADE")
+    finally:
+        await conn.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gpuq bench fuzz")
+    add_arguments(p)
+    return bench(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
