@@ -257,7 +257,8 @@ class Dispatcher:
                 continue
             for j in batch:
                 session.inflight[j.id] = (j.lease_token, j.kind)
-                log.debug("job.pushed", job_id=j.id, agent=sid, kind=j.kind, attempt=j.attempt)
+                log.debug("job.leased", job_id=j.id, agent=sid, kind=j.kind, attempt=j.attempt)
+                log.debug("job.pushed", job_id=j.id, agent=sid, kind=j.kind)
             session.push(encode(Jobs(tuple(
                 JobMessage(j.id, j.lease_token, j.kind, j.payload, j.attempt) for j in batch))))
         metrics.INFLIGHT.set(sum(len(s.inflight) for s in self.sessions.values()))
