@@ -65,3 +65,21 @@ def test_throughput_json_with_pgqueuer(server_dsn: str, capsys: pytest.CaptureFi
     assert {"gpuq_jobs_per_s", "pgqueuer_jobs_per_s", "ratio", "raw_jobs_per_s",
             "fraction_of_raw", "serve_cpu_s"} <= got.keys()
     assert got["agents_used"] == 1
+
+
+def test_latency_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("psutil")
+    got = run_bench(capsys, server_dsn, "latency", "--rate", "50", "--seconds", "1",
+                    "--agents", "1")
+    assert got["bench"] == "latency" and got["jobs"] == 50
+    assert {"gpuq_p50_ms", "gpuq_p90_ms", "gpuq_p99_ms", "gpuq_max_ms"} <= got.keys()
+    assert "pgqueuer_p50_ms" not in got
+
+
+def test_agents_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("psutil")
+    got = run_bench(capsys, server_dsn, "agents", "--agents", "20", "--per-process", "10",
+                    "--jobs", "200")
+    assert got["bench"] == "agents" and got["agents"] == 20
+    assert {"agents", "serve_rss_mb", "jobs_per_s", "connect_s", "agents_used"} <= got.keys()
+    assert got["every_agent_got_work"] is True

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpuq.bench import chaos, fuzz, lease_history, raw, soak, throughput
+from gpuq.bench import agents, chaos, fuzz, latency, lease_history, raw, soak, throughput
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -19,6 +19,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     chaos.register(sub)
     soak.register(sub)
     fuzz.register(sub)
+    latency.register(sub)
+    agents.register(sub)
 
 
 __all__ = ["register"]
