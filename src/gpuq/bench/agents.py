@@ -6,7 +6,8 @@ one event loop each) against one ``serve`` subprocess on 127.0.0.1.
 Measured: the time until serve's /status reports them all connected, serve's
 RSS before and with them all connected, then end-to-end jobs/s for ``--jobs``
 jobs (default 20 per agent) inserted 10,000 per statement, from the database's
-own timestamps, and how many distinct agents got work (leased_by).
+own timestamps, the CPU seconds of serve and of the swarm processes over
+that phase, and how many distinct agents got work (leased_by).
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ async def run(dsn: str, agents: int, per_process: int, capacity: int, jobs: int)
         rss_connected = procs.rss_mb(serve_pid)
         progress(f"{agents} connected in {connect_s:.1f}s, serve RSS {rss_connected:.0f} MB; "
                  f"inserting {jobs:,} jobs")
+        pids = fleet.pids()
+        cpu0 = {k: procs.cpu_seconds(v) for k, v in pids.items()}
         for lo in range(0, jobs, CHUNK):
             k = min(CHUNK, jobs - lo)
             await queue.enqueue_many(conn, [NewJob(procs.KIND, {"i": lo + i}) for i in range(k)])
@@ -98,6 +101,7 @@ async def run(dsn: str, agents: int, per_process: int, capacity: int, jobs: int)
                 progress(f"{live:,} jobs still live")
                 last = time.monotonic()
             await asyncio.sleep(0.05)
+        cpu1 = {k: procs.cpu_seconds(v) for k, v in pids.items()}
         rss_after = procs.rss_mb(serve_pid)
         status = fleet.http_json("/status")
         row = await conn.fetchrow(_E2E)
@@ -116,6 +120,8 @@ async def run(dsn: str, agents: int, per_process: int, capacity: int, jobs: int)
         "serve_kb_per_agent": round((rss_connected - rss_idle) * 1024 / agents, 1),
         "agents_connected_at_end": server.get("agents_connected"),
         "jobs_per_s": round(jobs / seconds, 1), "seconds": round(seconds, 3),
+        "serve_cpu_s": round(cpu1["serve"] - cpu0["serve"], 2),
+        "swarm_cpu_s": round(cpu1["agents"] - cpu0["agents"], 2),
         "agents_used": row["agents_used"], "every_agent_got_work": row["agents_used"] == agents,
         "postgres": settings,
     }
@@ -127,8 +133,9 @@ def _report(r: dict[str, Any]) -> None:
     print_settings(r["postgres"])
     print_table(
         ["agents", "connect s", "serve RSS idle MB", "serve RSS MB", "KB/agent", "jobs", "jobs/s",
-         "agents used"],
+         "serve CPU s", "swarm CPU s", "agents used"],
         [[r["agents"], r["connect_s"], r["serve_rss_idle_mb"], r["serve_rss_mb"],
-          r["serve_kb_per_agent"], r["jobs"], r["jobs_per_s"], r["agents_used"]]],
+          r["serve_kb_per_agent"], r["jobs"], r["jobs_per_s"], r["serve_cpu_s"], r["swarm_cpu_s"],
+          r["agents_used"]]],
         title=f"agents: {r['agents']} websocket agents ({r['per_process']} per process, capacity "
               f"{r['capacity']}) on one serve, no-op handler")
