@@ -449,6 +449,8 @@ class ChaosRun:
             winners = await conn.fetch(
                 "SELECT c.job_id, c.lease_token::text AS token FROM gpuq_chaos.completions c")
             attempts_max = int(await conn.fetchval("SELECT coalesce(max(attempts), 0) FROM gpuq.jobs"))
+            dead_reasons = {str(r[0])[:80]: r[1] for r in await conn.fetch(
+                "SELECT last_error, count(*) FROM gpuq.jobs WHERE status = 'dead' GROUP BY 1")}
         finally:
             await conn.close()
         execs = read_executions(self.execdir)
@@ -461,7 +463,7 @@ class ChaosRun:
             "double_completed": w["double_completed"], "wrong_result": w["wrong_result"],
             "completed_without_execution": not_executed,
             "executions": len(execs), "duplicate_executions": len(execs) - distinct,
-            "max_attempts_seen": attempts_max,
+            "max_attempts_seen": attempts_max, "dead_reasons": dead_reasons,
         }
 
     # -- main ------------------------------------------------------------
@@ -582,7 +584,8 @@ def _summary(out: dict[str, Any]) -> dict[str, Any]:
     res.update(live=out["live"], executions=out["executions"], requested=out["requested"],
                completed_without_execution=out["completed_without_execution"],
                pg_restart_skipped=out["pg_restart_skipped"], serve_crashes=out["serve_crashes"],
-               agent_crashes=out["agent_crashes"], serve_error_lines=out["serve_error_lines"])
+               agent_crashes=out["agent_crashes"], serve_error_lines=out["serve_error_lines"],
+               max_attempts_seen=out["max_attempts_seen"], dead_reasons=out["dead_reasons"])
     return res
 
 
