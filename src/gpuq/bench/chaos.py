@@ -42,17 +42,17 @@ from typing import Any
 import asyncpg
 
 from gpuq.bench.common import (
-    Refused,
     add_common_args,
     emit,
+    guarded,
     positive_int,
     progress,
     reset_gpuq_schema,
+    target,
 )
 from gpuq.bench.procs import SERVE_ENV, Proc, spawn
 from gpuq.bench.soak import count_errors
-from gpuq.db import DEFAULT_DSN_ENV, DatabaseUnavailable, redact
-from gpuq.devdb import Cluster, DevDBError, free_port, throwaway_cluster
+from gpuq.devdb import Cluster, free_port
 
 KIND = "chaos"
 TOKEN = "chaos-token"
@@ -650,37 +650,18 @@ def config_from_args(args: argparse.Namespace) -> ChaosConfig:
 
 def bench(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    url = getattr(args, "database_url", None) or os.environ.get(DEFAULT_DSN_ENV) or None
-    cluster: Cluster | None = None
-    try:
-        if url:
-            print(f"WARNING: this bench DROPS and recreates the gpuq schema in {redact(url)}",
-                  file=sys.stderr, flush=True)
-            if not args.yes:
-                raise Refused("refusing without --yes (or run without a database URL to use a "
-                              "throwaway embedded cluster)")
-            if cfg.pg_restart:
+
+    def run() -> int:
+        with target(args) as (dsn, cluster):
+            if cluster is None and cfg.pg_restart:
                 print("NOTE: external database: the PostgreSQL restart step is skipped "
                       "(it needs the embedded cluster)", flush=True)
-            out = asyncio.run(run_chaos(url, None, cfg))
-        else:
-            progress("starting a throwaway embedded PostgreSQL cluster")
-            cluster = throwaway_cluster()
-            try:
-                dsn = cluster.ensure_started()
-                out = asyncio.run(run_chaos(dsn, cluster, cfg))
-            finally:
-                progress("destroying the throwaway cluster")
-                cluster.destroy()
-    except Refused as exc:
-        print(f"gpuq bench: {exc}", file=sys.stderr)
-        return 2
-    except (DevDBError, DatabaseUnavailable, OSError, RuntimeError, asyncpg.PostgresError) as exc:
-        print(f"gpuq bench: {exc}", file=sys.stderr)
-        return 1
-    print_report(out)
-    emit(_summary(out))
-    return 1 if failed(out) else 0
+            out = asyncio.run(run_chaos(dsn, cluster, cfg))
+        print_report(out)
+        emit(_summary(out))
+        return 1 if failed(out) else 0
+
+    return guarded(run)
 
 
 def register(sub: Any) -> None:

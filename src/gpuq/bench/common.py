@@ -20,7 +20,7 @@ from typing import Any
 import asyncpg
 
 from gpuq.db import DEFAULT_DSN_ENV, DatabaseUnavailable, redact
-from gpuq.devdb import DevDBError, throwaway_cluster
+from gpuq.devdb import Cluster, DevDBError, throwaway_cluster
 from gpuq.migrate import migrate
 
 # Server settings each bench reports with its figures (and docs/benchmarks.md quotes).
@@ -52,8 +52,9 @@ def progress(msg: str) -> None:
 
 
 @contextmanager
-def target_database(args: argparse.Namespace) -> Iterator[str]:
-    """Yield the DSN to bench on: the given/env database (with --yes) or a throwaway cluster."""
+def target(args: argparse.Namespace) -> Iterator[tuple[str, Cluster | None]]:
+    """Yield ``(dsn, cluster)`` to bench on: the given/env database (with --yes; cluster
+    None), or a throwaway embedded cluster (destroyed afterwards)."""
     url = getattr(args, "database_url", None) or os.environ.get(DEFAULT_DSN_ENV) or None
     if url:
         print(f"WARNING: this bench DROPS and recreates the gpuq schema in {redact(url)}",
@@ -61,15 +62,34 @@ def target_database(args: argparse.Namespace) -> Iterator[str]:
         if not getattr(args, "yes", False):
             raise Refused("refusing without --yes (or run without a database URL to use a "
                           "throwaway embedded cluster)")
-        yield url
+        yield url, None
         return
     progress("starting a throwaway embedded PostgreSQL cluster")
     cluster = throwaway_cluster()
     try:
-        yield cluster.ensure_started()
+        yield cluster.ensure_started(), cluster
     finally:
         progress("destroying the throwaway cluster")
         cluster.destroy()
+
+
+@contextmanager
+def target_database(args: argparse.Namespace) -> Iterator[str]:
+    """``target()`` for benches that need only the DSN."""
+    with target(args) as (dsn, _cluster):
+        yield dsn
+
+
+def guarded(run: Callable[[], int]) -> int:
+    """Run a bench; turn the failures an operator can cause into one line and an exit code."""
+    try:
+        return run()
+    except Refused as exc:
+        print(f"gpuq bench: {exc}", file=sys.stderr)
+        return 2
+    except (DevDBError, DatabaseUnavailable, OSError, RuntimeError, asyncpg.PostgresError) as exc:
+        print(f"gpuq bench: {exc}", file=sys.stderr)
+        return 1
 
 
 def run_bench(
@@ -81,19 +101,16 @@ def run_bench(
 
     ``after(result)`` runs once the database is released (plots), before the JSON line.
     """
-    try:
+
+    def run() -> int:
         with target_database(args) as dsn:
             result = asyncio.run(body(dsn))
         if after is not None:
             after(result)
-    except Refused as exc:
-        print(f"gpuq bench: {exc}", file=sys.stderr)
-        return 2
-    except (DevDBError, DatabaseUnavailable, OSError, RuntimeError, asyncpg.PostgresError) as exc:
-        print(f"gpuq bench: {exc}", file=sys.stderr)
-        return 1
-    emit(result)
-    return 0
+        emit(result)
+        return 0
+
+    return guarded(run)
 
 
 def emit(result: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 
 from gpuq import protocol
+from gpuq.bench.common import add_common_args, reset_gpuq_schema, run_bench
 from gpuq.config import ServerConfig
 
 TOKEN = "fuzz-token"
@@ -287,8 +288,7 @@ async def _delete(dsn: str, jid: int) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--examples", type=int, default=20_000, help="frames to send (default 20000)")
     p.add_argument("--seed", type=int, help="hypothesis seed (default: derandomized)")
-    p.add_argument("--database-url", help="PostgreSQL DSN; its gpuq schema is dropped and recreated "
-                   "(default: a throwaway embedded cluster)")
+    add_common_args(p)
 
 
 def register(sub: Any) -> None:
@@ -298,39 +298,20 @@ def register(sub: Any) -> None:
 
 
 def bench(args: argparse.Namespace) -> int:
-    import time
+    async def body(dsn: str) -> dict[str, Any]:
+        import time
 
-    from gpuq import devdb
-    from gpuq.migrate import migrate
-
-    cluster = None
-    dsn = args.database_url
-    if not dsn:
-        cluster = devdb.throwaway_cluster()
-        dsn = cluster.ensure_started()
-    try:
-        anyio.run(_reset, dsn)
-        anyio.run(migrate, dsn)
+        await reset_gpuq_schema(dsn)
         t0 = time.monotonic()
-        figures = run_fuzz(dsn, args.examples, args.seed)
-        figures["seconds"] = round(time.monotonic() - t0, 1)
-    finally:
-        if cluster is not None:
-            cluster.destroy()
-    print(f"fuzzed {figures['examples']} frames in {figures['seconds']} s: server stayed up, "
-          f"closes by code {figures['closes']}, jobs changed: 0", file=sys.stderr)
-    print(json.dumps({"bench": "fuzz", **figures}))
-    return 0
+        # run_fuzz drives sync websocket clients and its own server thread.
+        figures = await anyio.to_thread.run_sync(run_fuzz, dsn, args.examples, args.seed)
+        return {"bench": "fuzz", **figures, "seconds": round(time.monotonic() - t0, 1)}
 
+    def summary(figures: dict[str, Any]) -> None:
+        print(f"fuzzed {figures['examples']} frames in {figures['seconds']} s: server stayed up, "
+              f"closes by code {figures['closes']}, jobs changed: 0", file=sys.stderr)
 
-async def _reset(dsn: str) -> None:
-    import asyncpg
-
-    conn = await asyncpg.connect(dsn)
-    try:
-        await conn.execute("DROP SCHEMA IF EXISTS gpuq CASCADE")
-    finally:
-        await conn.close()
+    return run_bench(args, body, after=summary)
 
 
 def main(argv: list[str] | None = None) -> int:
