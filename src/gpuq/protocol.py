@@ -17,6 +17,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from gpuq.queue import KIND_PATTERN as KIND  # one rule for kinds: the table's CHECK, mirrored
+
 PROTOCOL_VERSION = 1
 
 # Close codes (4000-4999 are the application's own range).
@@ -47,7 +49,6 @@ UNEXPECTED = "unexpected"  # a valid message at the wrong time (e.g. a second he
 TOO_LARGE = "too_large"
 NOT_HELD = "not_held"  # a result or heartbeat for a job this connection does not hold
 
-KIND = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
 AGENT_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
 MAX_KINDS = 64
 MAX_CAPACITY = 4096
