@@ -49,3 +49,26 @@ async def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02
     with anyio.fail_after(timeout):
         while not await predicate():
             await anyio.sleep(interval)
+
+
+async def count(db: Any, status: str) -> int:
+    return int(await db.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = $1::gpuq.job_status", status))
+
+
+async def status_of(db: Any, job_id: int) -> str | None:
+    return await db.fetchval("SELECT status::text FROM gpuq.jobs WHERE id = $1", job_id)
+
+
+async def wait_count(db: Any, status: str, n: int, timeout: float = 60.0) -> None:
+    """Wait until at least ``n`` jobs are in ``status``."""
+    async def reached() -> bool:
+        return await count(db, status) >= n
+
+    await wait_for(reached, timeout, interval=0.05)
+
+
+async def wait_status(db: Any, job_id: int, status: str, timeout: float = 20.0) -> None:
+    async def reached() -> bool:
+        return await status_of(db, job_id) == status
+
+    await wait_for(reached, timeout)

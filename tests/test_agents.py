@@ -8,10 +8,7 @@ from websockets.asyncio.client import connect
 
 from gpuq.agent import Agent, AuthError, PermanentError
 from tests.harness import TOKEN, running_server
-
-
-async def _status(pool, jid):
-    return await pool.fetchval("SELECT status::text FROM gpuq.jobs WHERE id = $1", jid)
+from tests.helpers import status_of, wait_count, wait_status
 
 
 async def _raw_agent(srv, kinds=("embed",), capacity=1, name="raw"):
@@ -38,9 +35,7 @@ async def test_killed_agent_returns_its_job_at_once_and_a_late_done_is_fenced(ds
         pushed = (await _next_of(ws, "jobs"))["jobs"][0]
         assert pushed["id"] == jid
         ws.transport.abort()  # the process died: no close handshake
-        with anyio.fail_after(5):  # far sooner than the 300 s lease
-            while await _status(pool, jid) != "pending":
-                await anyio.sleep(0.02)
+        await wait_status(pool, jid, "pending", timeout=5)  # far sooner than the 300 s lease
 
         finished = anyio.Event()
 
@@ -51,8 +46,7 @@ async def test_killed_agent_returns_its_job_at_once_and_a_late_done_is_fenced(ds
         await srv.agent(["embed"], 1, handle, name="rescuer")
         with anyio.fail_after(5):
             await finished.wait()
-            while await _status(pool, jid) != "done":
-                await anyio.sleep(0.02)
+        await wait_status(pool, jid, "done", timeout=5)
 
         # The dead agent's result shows up late, on a new connection: fenced out.
         ws2, _ = await _raw_agent(srv, name="doomed")
@@ -80,14 +74,13 @@ async def test_handler_errors_retry_and_permanent_errors_go_dead(dsn, pool):
         perm = await pool.fetchval(
             "INSERT INTO gpuq.jobs (kind, payload) VALUES ('embed', '{\"mode\": \"permanent\"}') RETURNING id")
         with anyio.fail_after(10):
-            while await _status(pool, perm) != "dead" or await _status(pool, flaky) != "scheduled":
+            while await status_of(pool, perm) != "dead" or await status_of(pool, flaky) != "scheduled":
                 await anyio.sleep(0.02)
         error = await pool.fetchval("SELECT last_error FROM gpuq.jobs WHERE id = $1", flaky)
         assert "RuntimeError: flaky GPU" in error
         await pool.execute("UPDATE gpuq.jobs SET run_at = now() WHERE id = $1", flaky)  # skip the backoff
-        with anyio.fail_after(10):  # the server's sweeper promotes it; NOTIFY brings it back
-            while await _status(pool, flaky) != "done":
-                await anyio.sleep(0.05)
+        # the server's sweeper promotes it; NOTIFY brings it back
+        await wait_status(pool, flaky, "done", timeout=10)
     row = await pool.fetchrow("SELECT result, attempts FROM gpuq.jobs WHERE id = $1", flaky)
     assert row["result"] == {"attempt": 2} and row["attempts"] == 2
     assert "bad input" in await pool.fetchval("SELECT last_error FROM gpuq.jobs WHERE id = $1", perm)
@@ -107,9 +100,7 @@ async def test_heartbeats_keep_a_long_job_leased(dsn, pool):
         row = await pool.fetchrow("SELECT status::text, attempts FROM gpuq.jobs WHERE id = $1", jid)
         assert row["status"] == "leased" and row["attempts"] == 1
         release.set()
-        with anyio.fail_after(5):
-            while await _status(pool, jid) != "done":
-                await anyio.sleep(0.02)
+        await wait_status(pool, jid, "done", timeout=5)
 
 
 async def test_sync_handlers_run_in_a_thread(dsn, pool):
@@ -127,9 +118,7 @@ async def test_sync_handlers_run_in_a_thread(dsn, pool):
     async with running_server(dsn) as srv:
         await srv.agent(["embed"], 2, handle)
         await pool.execute("INSERT INTO gpuq.jobs (kind, payload) SELECT 'embed', to_jsonb(g) FROM generate_series(1, 4) g")
-        with anyio.fail_after(10):
-            while await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'done'") < 4:
-                await anyio.sleep(0.02)
+        await wait_count(pool, "done", 4, timeout=10)
     assert threads and main not in threads
     assert sorted(await pool.fetchval("SELECT array_agg(result::int) FROM gpuq.jobs")) == [1, 2, 3, 4]
 
@@ -149,9 +138,7 @@ async def test_agent_stop_finishes_running_jobs_first(dsn, pool):
             await started.wait()
         agent.stop()
         await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('embed')")  # not for a stopping agent
-        with anyio.fail_after(5):
-            while await _status(pool, jid) != "done":
-                await anyio.sleep(0.02)
+        await wait_status(pool, jid, "done", timeout=5)
         await anyio.sleep(0.3)
         assert await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'pending'") == 1
         assert agent.completed == 1

@@ -3,6 +3,7 @@
 import anyio
 
 from tests.harness import running_server
+from tests.helpers import wait_count
 
 
 async def test_jobs_inserted_while_not_listening_are_delivered_after_reconnect(dsn, pool):
@@ -51,9 +52,7 @@ async def test_two_dispatchers_never_deliver_one_job_twice(dsn, pool):
             for i in range(3):
                 await srv.agent(["embed"], 8, recorder(f"{label}-{i}"), name=f"{label}-{i}")
         await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'embed' FROM generate_series(1, 2000)")
-        with anyio.fail_after(60):
-            while await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'done'") < 2000:
-                await anyio.sleep(0.05)
+        await wait_count(pool, "done", 2000, timeout=60)
     assert len(deliveries) == 2000
     assert all(len(v) == 1 for v in deliveries.values())
     served = {name.split("-")[0] for v in deliveries.values() for name in v}

@@ -3,16 +3,7 @@
 import anyio
 
 from tests.harness import running_server
-
-
-async def _count(pool, status):
-    return await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = $1::gpuq.job_status", status)
-
-
-async def _wait_all_done(pool, n, timeout=60):
-    with anyio.fail_after(timeout):
-        while await _count(pool, "done") < n:
-            await anyio.sleep(0.05)
+from tests.helpers import count, wait_count
 
 
 async def test_1000_jobs_three_agents_each_done_exactly_once(dsn, pool):
@@ -29,7 +20,7 @@ async def test_1000_jobs_three_agents_each_done_exactly_once(dsn, pool):
             "INSERT INTO gpuq.jobs (kind, payload) SELECT 'embed', jsonb_build_object('n', g) "
             "FROM generate_series(1, 1000) g"
         )
-        await _wait_all_done(pool, 1000)
+        await wait_count(pool, "done", 1000)
     rows = await pool.fetch("SELECT id, payload, result, attempts FROM gpuq.jobs")
     assert len(rows) == 1000
     assert all(r["result"] == {"double": r["payload"]["n"] * 2} for r in rows)
@@ -68,17 +59,15 @@ async def test_capacity_is_never_exceeded_and_kinds_route(dsn, pool):
     async with running_server(dsn) as srv:
         await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'A' FROM generate_series(1, 20)")
         await anyio.sleep(0.5)
-        assert await _count(pool, "leased") == 0  # no agent for kind A: nothing leased
+        assert await count(pool, "leased") == 0  # no agent for kind A: nothing leased
         await srv.agent(["B"], 4, only_b, name="b")
         await srv.agent(["A"], 2, slow, name="a")
-        with anyio.fail_after(5):
-            while await _count(pool, "leased") < 2:
-                await anyio.sleep(0.05)
+        await wait_count(pool, "leased", 2, timeout=5)
         await anyio.sleep(0.5)  # give the dispatcher every chance to over-lease
-        assert await _count(pool, "leased") == 2 and running["max"] == 2
+        assert await count(pool, "leased") == 2 and running["max"] == 2
         release.set()
-        await _wait_all_done(pool, 20)
+        await wait_count(pool, "done", 20)
         assert running["max"] == 2
         await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('B')")
-        await _wait_all_done(pool, 21)
+        await wait_count(pool, "done", 21)
     assert seen_by_b == ["B"]

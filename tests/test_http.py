@@ -9,6 +9,7 @@ import anyio
 from gpuq import dispatcher as dispatcher_module
 from gpuq.db import DatabaseUnavailable
 from tests.harness import running_server
+from tests.helpers import wait_count
 
 
 async def _get(url):
@@ -55,9 +56,7 @@ async def test_metrics_count_jobs_and_change_after_completions(dsn, pool):
         done_before = _metric(before, "gpuq_jobs_completed_total", kind="metered")
         await srv.agent(["metered"], 4, lambda job: "ok")
         await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'metered' FROM generate_series(1, 30)")
-        with anyio.fail_after(10):
-            while await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'done'") < 30:
-                await anyio.sleep(0.05)
+        await wait_count(pool, "done", 30, timeout=10)
         await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'nobody' FROM generate_series(1, 3)")
         _, _, after = await _get(srv.http + "/metrics")
         assert _metric(after, "gpuq_jobs_completed_total", kind="metered") == done_before + 30

@@ -10,6 +10,7 @@ import threading
 import anyio
 
 from gpuq.agent import Agent
+from tests.helpers import wait_count
 
 
 def _start_serve(dsn, *extra):
@@ -42,9 +43,7 @@ async def test_serve_logs_json_lines_with_job_ids_and_exits_0_on_sigterm(dsn, po
             tg.start_soon(agent.run)
             ids = [r["id"] for r in await pool.fetch(
                 "INSERT INTO gpuq.jobs (kind) SELECT 'logged' FROM generate_series(1, 20) RETURNING id")]
-            with anyio.fail_after(20):
-                while await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'done'") < 20:
-                    await anyio.sleep(0.05)
+            await wait_count(pool, "done", 20, timeout=20)
             agent.stop()
         proc.send_signal(signal.SIGTERM)
         assert await anyio.to_thread.run_sync(lambda: proc.wait(20)) == 0

@@ -12,6 +12,7 @@ import pytest
 from gpuq.agent import Agent
 from gpuq.devdb import free_port
 from tests.harness import running_server
+from tests.helpers import wait_status
 
 
 def _serve(dsn, port):
@@ -19,12 +20,6 @@ def _serve(dsn, port):
            "GPUQ_LOG_FORMAT": "json", "GPUQ_LEASE_SECONDS": "120"}
     return subprocess.Popen([sys.executable, "-m", "gpuq.cli", "serve"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-async def _wait_status(pool, jid, status, timeout=20):
-    with anyio.fail_after(timeout):
-        while await pool.fetchval("SELECT status::text FROM gpuq.jobs WHERE id = $1", jid) != status:
-            await anyio.sleep(0.05)
 
 
 async def test_result_of_a_job_survives_a_killed_server_and_is_resent(dsn, pool):
@@ -44,7 +39,7 @@ async def test_result_of_a_job_survives_a_killed_server_and_is_resent(dsn, pool)
         async with anyio.create_task_group() as tg:
             tg.start_soon(agent.run)
             jid = await pool.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('r') RETURNING id")
-            await _wait_status(pool, jid, "leased")
+            await wait_status(pool, jid, "leased")
             with anyio.fail_after(10):
                 while not runs:
                     await anyio.sleep(0.02)
@@ -54,7 +49,7 @@ async def test_result_of_a_job_survives_a_killed_server_and_is_resent(dsn, pool)
             await anyio.sleep(0.5)
             assert await pool.fetchval("SELECT status::text FROM gpuq.jobs WHERE id = $1", jid) == "leased"
             proc = _serve(dsn, port)
-            await _wait_status(pool, jid, "done")  # resent after reconnect, accepted by its token
+            await wait_status(pool, jid, "done")  # resent after reconnect, accepted by its token
             agent.stop()
     finally:
         proc.kill()
@@ -96,5 +91,5 @@ async def test_server_rides_out_a_postgres_crash_restart(dsn, pool, cluster):
         # New work still flows: the LISTEN connection came back by itself.
         t0 = time.monotonic()
         new = await pool.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('pg') RETURNING id")
-        await _wait_status(pool, new, "done")
+        await wait_status(pool, new, "done")
         assert time.monotonic() - t0 < 20
