@@ -173,3 +173,12 @@ async def test_stale_statistics_cannot_turn_the_lease_into_a_scan_of_pending(con
     assert queue.plan_buffers(plan, reads_only=True) < 150  # 20k pending rows span ~150+ pages
     got = await queue.lease(conn, ["train"], 64, "a#1", LEASE)
     assert len(got.jobs) == 64
+
+
+async def test_every_gpuq_connection_plans_with_the_lease_guard(pool, conn):
+    """The guard is a startup setting of every connection gpuq.db opens (the
+    lease itself no longer sets it), and survives a pool release."""
+    for _ in range(3):  # acquire, release, acquire again
+        assert await pool.fetchval("SHOW enable_bitmapscan") == "off"
+        assert await pool.fetchval("SHOW enable_seqscan") == "off"
+    assert await conn.fetchval("SHOW enable_bitmapscan") == "off"

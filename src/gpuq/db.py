@@ -8,6 +8,8 @@ from typing import Any
 
 import asyncpg
 
+from gpuq.queue import PLAN_SETTINGS
+
 DEFAULT_DSN_ENV = "DATABASE_URL"
 
 
@@ -20,9 +22,22 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
 
+def _server_settings(kwargs: dict[str, Any]) -> dict[str, str]:
+    return {**PLAN_SETTINGS, **kwargs.pop("server_settings", {})}
+
+
+async def _keep_session(_conn: asyncpg.Connection) -> None:
+    """Pool reset: asyncpg still rolls back an open transaction first.
+
+    The default reset (RESET ALL, UNLISTEN *, CLOSE ALL, advisory unlock) is
+    one more round trip on every release, for session state gpuq never leaves
+    on a pooled connection (LISTEN and the migration lock use their own).
+    """
+
+
 async def connect(dsn: str, **kwargs: Any) -> asyncpg.Connection:
     try:
-        conn = await asyncpg.connect(dsn, **kwargs)
+        conn = await asyncpg.connect(dsn, server_settings=_server_settings(kwargs), **kwargs)
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise DatabaseUnavailable(f"cannot connect to the database at {redact(dsn)}: {exc}") from None
     await _init_connection(conn)
@@ -32,7 +47,8 @@ async def connect(dsn: str, **kwargs: Any) -> asyncpg.Connection:
 async def create_pool(dsn: str, min_size: int = 1, max_size: int = 10, **kwargs: Any) -> asyncpg.Pool:
     try:
         return await asyncpg.create_pool(
-            dsn, min_size=min_size, max_size=max_size, init=_init_connection, **kwargs
+            dsn, min_size=min_size, max_size=max_size, init=_init_connection, reset=_keep_session,
+            server_settings=_server_settings(kwargs), **kwargs,
         )
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise DatabaseUnavailable(f"cannot connect to the database at {redact(dsn)}: {exc}") from None

@@ -203,7 +203,8 @@ SET status = 'leased', attempts = j.attempts + 1, lease_token = gen_random_uuid(
     leased_by = a.agent, lease_expires_at = now() + make_interval(secs => $4), started_at = now()
 FROM assigned a
 WHERE j.ctid = a.ctid
-RETURNING j.id, j.kind, j.payload, j.attempts, j.max_attempts, j.lease_token, j.priority, j.leased_by
+RETURNING j.id, j.kind, j.payload, j.attempts, j.max_attempts, j.lease_token::text AS lease_token,
+          j.priority, j.leased_by
 """
 
 # Phase 2: reclaim leases that expired (their agent vanished without a
@@ -235,7 +236,8 @@ SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead'::gpuq.job_status
                       THEN 'lease expired after the last attempt' ELSE j.last_error END
 FROM assigned a
 WHERE j.ctid = a.ctid
-RETURNING j.id, j.kind, j.payload, j.attempts, j.max_attempts, j.lease_token, j.priority, j.leased_by,
+RETURNING j.id, j.kind, j.payload, j.attempts, j.max_attempts, j.lease_token::text AS lease_token,
+          j.priority, j.leased_by,
           j.status
 """
 
@@ -258,38 +260,33 @@ async def lease_slots(db: DB, kinds: Sequence[str], slots: Sequence[str], lease_
 
     One statement serves many agents that take the same kinds: the dispatcher
     lists each agent once per free credit, interleaved, and every job's
-    ``leased_by`` names the agent it is pushed to.
+    ``leased_by`` names the agent it is pushed to. ``db`` must be a connection
+    or pool from ``gpuq.db`` (they carry ``PLAN_SETTINGS``).
     """
     n = len(slots)
     if n <= 0 or not kinds:
         return LeaseResult([])
     kinds, slots = list(kinds), list(slots)
-    if hasattr(db, "acquire"):  # a pool: both phases on one connection, in one transaction
-        async with db.acquire() as conn:
-            return await _lease_slots(conn, kinds, slots, float(lease_seconds))
-    return await _lease_slots(db, kinds, slots, float(lease_seconds))
+    # No transaction: each phase is one atomic statement, and a lease that is
+    # one round trip (two only when pending runs short) is the hot path.
+    rows = await db.fetch(_LEASE_PENDING, kinds, n, slots, float(lease_seconds))
+    # UPDATE ... RETURNING does not keep the pick order: restore dispatch order.
+    jobs = sorted((_leased(r) for r in rows), key=lambda j: (-j.priority, j.id))
+    if len(jobs) >= n:
+        return LeaseResult(jobs)
+    rows = await db.fetch(_LEASE_EXPIRED, kinds, n - len(jobs), slots[len(jobs):], float(lease_seconds))
+    reclaimed = [_leased(r) for r in rows if r["status"] == "leased"]
+    return LeaseResult(jobs + reclaimed, len(reclaimed), len(rows) - len(reclaimed), True)
 
 
 # Planner statistics of a queue are always stale: ANALYZE saw 0 pending rows,
 # then 100k arrived. Trusting them, the planner reads *every* pending row of
 # the kind with a bitmap scan and sorts them (O(pending), ~40 ms at 50k)
 # instead of walking the pending index in order and stopping after n. These
-# settings, local to the lease transaction, leave it only the ordered walk.
-_PLAN_SETTINGS = "SET LOCAL enable_bitmapscan = off; SET LOCAL enable_seqscan = off"
-
-
-async def _lease_slots(conn: Any, kinds: list[str], slots: list[str], lease_seconds: float) -> LeaseResult:
-    n = len(slots)
-    async with conn.transaction():
-        await conn.execute(_PLAN_SETTINGS)
-        rows = await conn.fetch(_LEASE_PENDING, kinds, n, slots, lease_seconds)
-        # UPDATE ... RETURNING does not keep the pick order: restore dispatch order.
-        jobs = sorted((_leased(r) for r in rows), key=lambda j: (-j.priority, j.id))
-        if len(jobs) >= n:
-            return LeaseResult(jobs)
-        rows = await conn.fetch(_LEASE_EXPIRED, kinds, n - len(jobs), slots[len(jobs):], lease_seconds)
-    reclaimed = [_leased(r) for r in rows if r["status"] == "leased"]
-    return LeaseResult(jobs + reclaimed, len(reclaimed), len(rows) - len(reclaimed), True)
+# settings leave it only the ordered walk. Every connection gpuq.db opens
+# starts with them (startup parameters: no round trip); every hot statement
+# is meant to walk a partial index anyway, so nothing else loses a good plan.
+PLAN_SETTINGS = {"enable_bitmapscan": "off", "enable_seqscan": "off"}
 
 
 async def explain_lease_pending(conn: Any, kinds: Sequence[str], n: int) -> dict[str, Any]:
@@ -301,7 +298,6 @@ async def explain_lease_pending(conn: Any, kinds: Sequence[str], n: int) -> dict
     tx = conn.transaction()
     await tx.start()
     try:
-        await conn.execute(_PLAN_SETTINGS)  # as lease_slots runs it
         raw = await conn.fetchval(
             "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + _LEASE_PENDING,
             list(kinds), n, ["explain"] * n, 30.0,
@@ -343,7 +339,7 @@ def plan_indexes(plan: dict[str, Any]) -> set[str]:
 
 def _leased(r: Any) -> LeasedJob:
     return LeasedJob(r["id"], r["kind"], r["payload"], r["attempts"], r["max_attempts"],
-                     str(r["lease_token"]), r["priority"], r["leased_by"])
+                     r["lease_token"], r["priority"], r["leased_by"])
 
 
 # --------------------------------------------------------------------------

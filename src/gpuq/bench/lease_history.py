@@ -117,6 +117,8 @@ RETURNING j.id, j.kind, j.payload, j.attempts, j.max_attempts, j.lease_token, j.
 _NAIVE_EXPLAIN = "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + _NAIVE_LEASE
 # The incident's plan: no sort possible, so ORDER BY id walks the primary key.
 _PIN_PK_WALK = "SET LOCAL enable_sort = off"
+# The naive design ran with PostgreSQL's default planner, not gpuq's PLAN_SETTINGS.
+_PLANNER_DEFAULTS = "SET LOCAL enable_bitmapscan = on; SET LOCAL enable_seqscan = on"
 
 GPUQ, NAIVE, NAIVE_PLANNER = "gpuq", "naive", "naive_planner"
 
@@ -235,6 +237,8 @@ async def _measure(conn: Any, batch: int, repeat: int, budget: float,
         tx = conn.transaction()
         await tx.start()
         try:
+            if naive:
+                await conn.execute(_PLANNER_DEFAULTS)
             if variant == NAIVE:
                 await conn.execute(_PIN_PK_WALK)
             t0 = time.perf_counter()
