@@ -157,3 +157,56 @@ async def test_bad_token_is_refused_and_no_job_is_leased(dsn, pool):
             await bad.run()
         await anyio.sleep(0.3)
         assert await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status <> 'pending'") == 0
+
+
+async def test_outcomes_ready_together_go_in_few_frames():
+    """64 jobs pushed at once come back in a handful of results frames, not 64.
+
+    The peer is a scripted protocol server (no database involved): it only
+    counts the frames the agent sends."""
+    from websockets.asyncio.server import serve
+
+    frames: list[dict] = []
+    got_all = anyio.Event()
+
+    async def peer(ws):
+        hello = json.loads(await ws.recv())
+        await ws.send(json.dumps({"type": "welcome", "agent_id": f"{hello['agent']}#1", "protocol": 1,
+                                  "lease_seconds": 60, "heartbeat_seconds": 30, "max_payload": 1 << 20}))
+        await ws.send(json.dumps({"type": "jobs", "jobs": [
+            {"id": i, "lease_token": f"00000000-0000-0000-0000-{i:012d}", "kind": "embed", "payload": i,
+             "attempt": 1} for i in range(1, 65)]}))
+        seen = 0
+        async for raw in ws:
+            frames.append(json.loads(raw))
+            seen += len(frames[-1]["results"])
+            if seen == 64:
+                got_all.set()
+
+    async def handle(job):
+        return job.payload * 2
+
+    async with serve(peer, "127.0.0.1", 0) as server:
+        port = next(iter(server.sockets)).getsockname()[1]
+        agent = Agent(f"ws://127.0.0.1:{port}/agent", TOKEN, ["embed"], 64, handle, "batcher")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(agent.run)
+            with anyio.fail_after(10):
+                await got_all.wait()
+            tg.cancel_scope.cancel()
+    assert {f["type"] for f in frames} == {"results"}
+    results = {o["id"]: o["result"] for f in frames for o in f["results"]}
+    assert results == {i: 2 * i for i in range(1, 65)}
+    assert len(frames) <= 4
+
+
+async def test_a_result_postgres_cannot_store_fails_the_job_for_good(dsn, pool):
+    async def handle(job):
+        return {"text": "nul\x00here"}
+
+    async with running_server(dsn) as srv:
+        await srv.agent(["embed"], 1, handle)
+        jid = await pool.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('embed') RETURNING id")
+        await wait_status(pool, jid, "dead", timeout=10)
+    row = await pool.fetchrow("SELECT attempts, last_error FROM gpuq.jobs WHERE id = $1", jid)
+    assert row["attempts"] == 1 and "U+0000" in row["last_error"]

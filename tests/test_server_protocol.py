@@ -37,6 +37,12 @@ async def _closed_with(ws, timeout=5):
     ('{"type": "hello", "agent": "x", "kinds": ["a"], "capacity": 1, "protocol": 1}', protocol.UNEXPECTED),
     ('{"type": "done", "id": 1, "lease_token": "00000000-0000-0000-0000-000000000000", "result": NaN}',
      protocol.BAD_JSON),
+    ('{"type": "results", "results": []}', protocol.BAD_MESSAGE),
+    ('{"type": "results", "results": "done"}', protocol.BAD_MESSAGE),
+    ('{"type": "results", "results": [1]}', protocol.BAD_MESSAGE),
+    ('{"type": "results", "results": [{"type": "heartbeat", "ids": []}]}', protocol.BAD_MESSAGE),
+    ('{"type": "results", "results": [{"type": "done", "id": 1, "lease_token": "x", "result": 1}]}',
+     protocol.BAD_MESSAGE),
 ])
 async def test_bad_frames_get_an_error_and_the_connection_goes_on(dsn, pool, frame, code):
     async with running_server(dsn) as srv:
@@ -94,12 +100,25 @@ async def test_oversized_and_binary_frames_close_with_documented_codes(dsn, pool
     ('{"type": "hello", "agent": "x", "kinds": ["a"], "capacity": 1, "protocol": 99}',
      protocol.CLOSE_UNSUPPORTED_VERSION),
     ("garbage", protocol.CLOSE_PROTOCOL_ERROR),
+    # Found by the fuzzer: a reason of 120 characters can be over the 123 bytes a close frame holds.
+    (json.dumps({"type": "hello", "agent": "x", "kinds": ["a"], "capacity": 1, "protocol": ["é" * 200]}),
+     protocol.CLOSE_UNSUPPORTED_VERSION),
 ])
 async def test_a_bad_hello_closes_the_connection(dsn, hello, close_code):
     async with running_server(dsn) as srv:
         ws = await connect(srv.url, additional_headers=AUTH)
         await ws.send(hello)
         assert await _closed_with(ws) == close_code
+
+
+async def test_a_second_hello_with_a_long_non_ascii_reason_is_closed_cleanly(dsn):
+    async with running_server(dsn) as srv:
+        ws, _ = await _raw_agent(srv)
+        await ws.send(json.dumps({"type": "hello", "agent": "x", "kinds": ["a"], "capacity": 1,
+                                  "protocol": "ü" * 200}))
+        assert await _closed_with(ws) == protocol.CLOSE_PROTOCOL_ERROR
+        ws, _ = await _raw_agent(srv)  # and the server still serves
+        await ws.close()
 
 
 async def test_silent_clients_are_closed_after_the_hello_timeout(dsn, monkeypatch):
@@ -167,3 +186,42 @@ async def test_a_result_postgres_cannot_store_is_refused_and_blocks_nothing(dsn,
         assert (await _next_of(ws, "ack"))["accepted"] == [good["id"]]
         await ws.close()
     assert await pool.fetchval("SELECT last_error FROM gpuq.jobs WHERE id = $1", good["id"]) == "oops\ufffd"
+
+
+async def test_one_results_frame_settles_many_jobs_and_gets_one_ack(dsn, pool):
+    async with running_server(dsn) as srv:
+        ws, _ = await _raw_agent(srv, capacity=8)
+        await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'embed' FROM generate_series(1, 8)")
+        jobs = []
+        while len(jobs) < 8:
+            jobs += (await _next_of(ws, "jobs"))["jobs"]
+        forged = {"type": "done", "id": 10**9, "lease_token": "00000000-0000-0000-0000-000000000000",
+                  "result": "forged"}
+        outcomes = [{"type": "done", "id": j["id"], "lease_token": j["lease_token"], "result": {"n": j["id"]}}
+                    for j in jobs[:7]]
+        outcomes.append({"type": "failed", "id": jobs[7]["id"], "lease_token": jobs[7]["lease_token"],
+                         "error": "bad input", "retryable": False})
+        await ws.send(json.dumps({"type": "results", "results": [*outcomes, forged]}))
+        ack = await _next_of(ws, "ack")
+        assert sorted(ack["accepted"]) == sorted(j["id"] for j in jobs) and ack["rejected"] == [10**9]
+        await ws.close()
+    rows = dict(await pool.fetch("SELECT id, status::text FROM gpuq.jobs"))
+    assert rows == {**{j["id"]: "done" for j in jobs[:7]}, jobs[7]["id"]: "dead"}
+    assert await pool.fetchval("SELECT result FROM gpuq.jobs WHERE id = $1", jobs[0]["id"]) == {"n": jobs[0]["id"]}
+
+
+async def test_a_results_frame_with_one_bad_outcome_changes_nothing(dsn, pool):
+    """Strict like every message: the whole frame is refused, and it says why."""
+    async with running_server(dsn) as srv:
+        ws, _ = await _raw_agent(srv, capacity=2)
+        await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'embed' FROM generate_series(1, 2)")
+        jobs = []
+        while len(jobs) < 2:
+            jobs += (await _next_of(ws, "jobs"))["jobs"]
+        good, bad = ({"type": "done", "id": j["id"], "lease_token": j["lease_token"], "result": r}
+                     for j, r in zip(jobs, [1, {"text": "nul\u0000here"}], strict=True))
+        await ws.send(json.dumps({"type": "results", "results": [good, bad]}))
+        err = await _next_of(ws, "error")
+        assert err["code"] == protocol.BAD_MESSAGE and "U+0000" in err["message"]
+        await ws.close()
+    assert await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'done'") == 0

@@ -13,8 +13,9 @@
 A handler that raises fails the job (retried with backoff); raise
 ``PermanentError`` for a failure that must not be retried. Plain (sync)
 functions run in a worker thread, so they never block the connection.
-Outcomes are kept until the server acknowledges them (after its commit) and
-sent again after a reconnect; fencing makes a resent result harmless.
+Outcomes go to the server in ``results`` frames, as many as are ready at
+once; they are kept until the server acknowledges them (after its commit)
+and sent again after a reconnect; fencing makes a resent result harmless.
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ class Agent:
         self._hello = Hello(self.name, self.kinds, capacity)  # validated below
         protocol.parse_client(encode(self._hello), 1 << 20)
         self._running: dict[int, Job] = {}
-        self._unacked: dict[int, str] = {}  # job id -> outcome frame, until the server acks
+        self._unacked: dict[int, str] = {}  # job id -> encoded outcome, until the server acks
+        self._outbox: list[str] = []  # encoded outcomes not sent yet on this connection
+        self._outbox_ready = asyncio.Event()
         self._stopping = False
         self._stop_event = asyncio.Event()
         self._max_frame = 1 << 20  # the server's max_payload, from its welcome
@@ -133,10 +136,12 @@ class Agent:
                      capacity=self.capacity)
             self._max_frame = welcome.max_payload
             self.connected.set()
-            for frame in list(self._unacked.values()):  # outcomes the last connection did not see acked
-                await ws.send(frame)
+            # Outcomes the last connection did not see acked go first.
+            self._outbox = list(self._unacked.values())
+            self._outbox_ready.set()
             try:
                 async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._sender, ws)
                     tg.start_soon(self._heartbeats, ws, welcome.heartbeat_seconds)
                     tg.start_soon(self._stop_watcher, ws)
                     await self._reader(ws, tg)
@@ -172,17 +177,28 @@ class Agent:
                 result = await self.handler(job)
             else:
                 result = await anyio.to_thread.run_sync(self.handler, job)
-            frame = _outcome_frame(job, result, self._max_frame)
+            item = _outcome(job, result, self._max_frame - protocol.RESULTS_OVERHEAD)
         except PermanentError as exc:
-            frame = encode(Failed(job.id, job.lease_token, _summary(exc), retryable=False))
+            item = encode(Failed(job.id, job.lease_token, _summary(exc), retryable=False))
         except Exception as exc:  # the handler's failure is the job's, not ours
-            frame = encode(Failed(job.id, job.lease_token, _summary(exc), retryable=True))
+            item = encode(Failed(job.id, job.lease_token, _summary(exc), retryable=True))
         self._running.pop(job.id, None)
-        self._unacked[job.id] = frame
-        try:
-            await ws.send(frame)
-        except ConnectionClosed:
-            pass  # resent after reconnect
+        self._unacked[job.id] = item
+        self._outbox.append(item)
+        self._outbox_ready.set()
+
+    async def _sender(self, ws: ClientConnection) -> None:
+        """Send every outcome that is ready in as few frames as fit.
+
+        Jobs pushed together finish together: by the time this task runs, the
+        other handlers of the batch have usually queued theirs too.
+        """
+        while True:
+            await self._outbox_ready.wait()
+            self._outbox_ready.clear()
+            items, self._outbox = self._outbox, []
+            for frame in protocol.pack_results(items, self._max_frame):
+                await ws.send(frame)  # if the connection drops, _unacked has them for the next
 
     async def _heartbeats(self, ws: ClientConnection, every: float) -> None:
         while True:
@@ -218,15 +234,19 @@ def _first_leaf(group: BaseExceptionGroup) -> BaseException:
     return exc
 
 
-def _outcome_frame(job: Job, result: Any, max_frame: int) -> str:
+def _outcome(job: Job, result: Any, max_size: int) -> str:
+    """The encoded ``done``, or a permanent ``failed`` for a result the server could not take."""
     try:
-        frame = encode(Done(job.id, job.lease_token, result))
+        item = encode(Done(job.id, job.lease_token, result))
     except (TypeError, ValueError) as exc:
         return encode(Failed(job.id, job.lease_token, f"result is not JSON-serializable: {exc}", retryable=False))
-    if len(frame) > max_frame:
-        return encode(Failed(job.id, job.lease_token, f"result of {len(frame)} bytes is over the server's "
-                             f"limit of {max_frame} bytes", retryable=False))
-    return frame
+    if len(item) > max_size:
+        return encode(Failed(job.id, job.lease_token, f"result of {len(item)} bytes is over the server's "
+                             f"limit of {max_size} bytes", retryable=False))
+    if "\\u0000" in item and protocol.contains_nul(result):
+        return encode(Failed(job.id, job.lease_token, "result contains the character U+0000, which "
+                             "PostgreSQL cannot store in jsonb", retryable=False))
+    return item
 
 
 def _summary(exc: BaseException, limit: int = 4000) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import random
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,11 +102,13 @@ class Dispatcher:
                  inflight=len(session.inflight))
         session.inflight.clear()
 
-    def submit_done(self, session: AgentSession, msg: Done) -> None:
-        self.completer.add_done(session, msg, self._settle(session, msg.id, msg.lease_token))
-
-    def submit_failed(self, session: AgentSession, msg: Failed) -> None:
-        self.completer.add_failed(session, msg, self._settle(session, msg.id, msg.lease_token))
+    def submit(self, session: AgentSession, outcomes: Iterable[Done | Failed]) -> None:
+        for msg in outcomes:
+            kind = self._settle(session, msg.id, msg.lease_token)
+            if isinstance(msg, Done):
+                self.completer.add_done(session, msg, kind)
+            else:
+                self.completer.add_failed(session, msg, kind)
 
     def _settle(self, session: AgentSession, job_id: int, token: str) -> str:
         """Free the credit of a reported job; its kind (for metrics), or '?' if not ours.

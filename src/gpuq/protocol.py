@@ -55,6 +55,7 @@ MAX_CAPACITY = 4096
 MAX_ERROR_TEXT = 8192
 MAX_HEARTBEAT_IDS = 4096
 MAX_JOB_ID = 2**63 - 1
+MAX_RESULTS = 4096  # outcomes in one ``results`` message
 
 
 class ProtocolError(Exception):
@@ -94,6 +95,13 @@ class Failed:
 
 
 @dataclass(frozen=True, slots=True)
+class Results:
+    """Many outcomes in one frame: how the agent library reports (one frame, one parse)."""
+
+    outcomes: tuple[Done | Failed, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Heartbeat:
     ids: tuple[int, ...]
 
@@ -103,7 +111,7 @@ class Drain:
     """From the agent: send me no more jobs (I am finishing and leaving)."""
 
 
-ClientMessage = Hello | Done | Failed | Heartbeat | Drain
+ClientMessage = Hello | Done | Failed | Results | Heartbeat | Drain
 
 
 def parse_client(frame: str | bytes, max_size: int) -> ClientMessage:
@@ -121,19 +129,15 @@ def parse_client(frame: str | bytes, max_size: int) -> ClientMessage:
     _exact_fields(obj, fields, fatal=kind == "hello")
     if kind == "hello":
         return _hello(obj)
-    if kind == "done":
-        # PostgreSQL's jsonb cannot store U+0000: refuse it here, not in a batch write.
-        if "\\u0000" in frame and "\\u0000" in json.dumps(obj["result"]):
-            raise ProtocolError(BAD_MESSAGE, "done.result must not contain the character U+0000")
-        return Done(_job_id(obj["id"]), _token(obj["lease_token"]), obj["result"])
-    if kind == "failed":
-        error = obj["error"]
-        if not isinstance(error, str):
-            raise ProtocolError(BAD_MESSAGE, "failed.error must be a string")
-        if not isinstance(obj["retryable"], bool):
-            raise ProtocolError(BAD_MESSAGE, "failed.retryable must be true or false")
-        return Failed(_job_id(obj["id"]), _token(obj["lease_token"]),
-                      error[:MAX_ERROR_TEXT].replace("\x00", "\ufffd"), obj["retryable"])
+    if kind in ("done", "failed"):
+        return _outcome(obj, "\\u0000" in frame)
+    if kind == "results":
+        items = obj["results"]
+        if not isinstance(items, list) or not 1 <= len(items) <= MAX_RESULTS:
+            raise ProtocolError(BAD_MESSAGE, f"results.results must be a list of 1-{MAX_RESULTS} "
+                                "done or failed messages")
+        maybe_nul = "\\u0000" in frame
+        return Results(tuple(_outcome(item, maybe_nul) for item in items))
     if kind == "heartbeat":
         ids = obj["ids"]
         if not isinstance(ids, list) or len(ids) > MAX_HEARTBEAT_IDS:
@@ -142,13 +146,70 @@ def parse_client(frame: str | bytes, max_size: int) -> ClientMessage:
     return Drain()
 
 
-_CLIENT_FIELDS = {
-    "hello": {"type", "agent", "kinds", "capacity", "protocol"},
+_OUTCOME_FIELDS = {
     "done": {"type", "id", "lease_token", "result"},
     "failed": {"type", "id", "lease_token", "error", "retryable"},
+}
+_CLIENT_FIELDS = {
+    "hello": {"type", "agent", "kinds", "capacity", "protocol"},
+    **_OUTCOME_FIELDS,
+    "results": {"type", "results"},
     "heartbeat": {"type", "ids"},
     "drain": {"type"},
 }
+
+
+def _outcome(obj: Any, maybe_nul: bool) -> Done | Failed:
+    """A done or failed object, alone or inside ``results``."""
+    kind = obj.get("type") if isinstance(obj, dict) else None
+    fields = _OUTCOME_FIELDS.get(kind) if isinstance(kind, str) else None
+    if fields is None:
+        raise ProtocolError(BAD_MESSAGE, "each outcome must be a done or failed message")
+    _exact_fields(obj, fields, fatal=False)
+    if kind == "done":
+        # PostgreSQL's jsonb cannot store U+0000: refuse it here, not in a batch write.
+        if maybe_nul and contains_nul(obj["result"]):
+            raise ProtocolError(BAD_MESSAGE, "done.result must not contain the character U+0000")
+        return Done(_job_id(obj["id"]), _token(obj["lease_token"]), obj["result"])
+    error = obj["error"]
+    if not isinstance(error, str):
+        raise ProtocolError(BAD_MESSAGE, "failed.error must be a string")
+    if not isinstance(obj["retryable"], bool):
+        raise ProtocolError(BAD_MESSAGE, "failed.retryable must be true or false")
+    return Failed(_job_id(obj["id"]), _token(obj["lease_token"]),
+                  error[:MAX_ERROR_TEXT].replace("\x00", "\ufffd"), obj["retryable"])
+
+
+def contains_nul(value: Any) -> bool:
+    """Whether a JSON value holds U+0000 in any string (keys too): jsonb refuses it."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, list):
+        return any(contains_nul(v) for v in value)
+    if isinstance(value, dict):
+        return any("\x00" in k or contains_nul(v) for k, v in value.items())
+    return False
+
+
+def pack_results(items: list[str], max_size: int) -> list[str]:
+    """Frames of ``results`` from encoded outcomes (``encode(Done(...))``), each within ``max_size``.
+
+    An item too large for a frame of its own is the caller's to refuse first.
+    """
+    frames: list[str] = []
+    start, size = 0, len(_RESULTS_HEAD) + len(_RESULTS_TAIL)
+    for i, item in enumerate(items):
+        if i > start and (size + len(item) + 1 > max_size or i - start >= MAX_RESULTS):
+            frames.append(_RESULTS_HEAD + ",".join(items[start:i]) + _RESULTS_TAIL)
+            start, size = i, len(_RESULTS_HEAD) + len(_RESULTS_TAIL)
+        size += len(item) + 1
+    if start < len(items):
+        frames.append(_RESULTS_HEAD + ",".join(items[start:]) + _RESULTS_TAIL)
+    return frames
+
+
+_RESULTS_HEAD, _RESULTS_TAIL = '{"type":"results","results":[', "]}"
+RESULTS_OVERHEAD = len(_RESULTS_HEAD) + len(_RESULTS_TAIL)  # bytes a one-item frame adds to its item
 
 
 def _hello(obj: dict[str, Any]) -> Hello:
@@ -245,6 +306,8 @@ def encode(msg: ServerMessage | ClientMessage) -> str:
     elif isinstance(msg, Failed):
         body = {"type": "failed", "id": msg.id, "lease_token": msg.lease_token, "error": msg.error,
                 "retryable": msg.retryable}
+    elif isinstance(msg, Results):
+        return pack_results([encode(o) for o in msg.outcomes], 1 << 62)[0]
     elif isinstance(msg, Heartbeat):
         body = {"type": "heartbeat", "ids": list(msg.ids)}
     elif isinstance(msg, Drain):
@@ -318,9 +381,14 @@ def _job_id(value: Any) -> int:
     return int(value)
 
 
+_CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
 def _token(value: Any) -> str:
     if not isinstance(value, str):
         raise ProtocolError(BAD_MESSAGE, "lease_token must be a string")
+    if _CANONICAL_UUID.fullmatch(value):  # as we sent it: the common case, without a UUID object
+        return value
     try:
         return str(uuid.UUID(value))
     except ValueError:

@@ -172,7 +172,7 @@ class AgentServer:
             await _send_quietly(ws, encode(Error(exc.code, exc.message)))
             unsupported = "protocol" in exc.message and "not supported" in exc.message
             await ws.close(protocol.CLOSE_UNSUPPORTED_VERSION if unsupported else protocol.CLOSE_PROTOCOL_ERROR,
-                           exc.message[:120])
+                           _close_reason(exc.message))
             return None
         return msg
 
@@ -192,7 +192,7 @@ class AgentServer:
                     errors += 1
                     if exc.fatal or errors > MAX_ERRORS_PER_CONNECTION:
                         code = protocol.CLOSE_UNSUPPORTED_DATA if isinstance(frame, bytes) else protocol.CLOSE_PROTOCOL_ERROR
-                        await ws.close(code, exc.message[:120] if exc.fatal else "too many protocol errors")
+                        await ws.close(code, _close_reason(exc.message) if exc.fatal else "too many protocol errors")
                         return
                     session.push(encode(Error(exc.code, exc.message)))
         except ConnectionClosed:
@@ -201,10 +201,9 @@ class AgentServer:
     async def _on_message(self, session: AgentSession, msg: protocol.ClientMessage) -> None:
         if isinstance(msg, protocol.Done | Failed):
             # Fenced in the database by the lease token; acked either way.
-            if isinstance(msg, Failed):
-                self.d.submit_failed(session, msg)
-            else:
-                self.d.submit_done(session, msg)
+            self.d.submit(session, (msg,))
+        elif isinstance(msg, protocol.Results):
+            self.d.submit(session, msg.outcomes)
         elif isinstance(msg, Heartbeat):
             held = [i for i in msg.ids if i in session.inflight]
             if held:
@@ -252,6 +251,11 @@ async def _send_quietly(ws: ServerConnection, frame: str) -> None:
         await ws.send(frame)
     except ConnectionClosed:
         pass
+
+
+def _close_reason(text: str) -> str:
+    """At most 123 bytes of UTF-8: a close frame holds 125, two of them the code."""
+    return text.encode()[:123].decode(errors="ignore")
 
 
 def _response(status: HTTPStatus, body: bytes, content_type: str,

@@ -94,10 +94,15 @@ def strategies(stale_tokens: list[str], stale_ids: list[int]) -> Any:
                               | st.dictionaries(st.text(max_size=10), inner, max_size=4), max_leaves=12)
     token = st.sampled_from(stale_tokens) | st.uuids().map(str) | st.text(max_size=40)
     job_id = st.sampled_from(stale_ids) | st.integers(-(2**70), 2**70)
-    valid = st.one_of(
+    outcome = st.one_of(
         st.builds(lambda i, t, r: {"type": "done", "id": i, "lease_token": t, "result": r}, job_id, token, json_value),
         st.builds(lambda i, t, e, r: {"type": "failed", "id": i, "lease_token": t, "error": e, "retryable": r},
                   job_id, token, st.text(max_size=50), st.booleans()),
+    )
+    valid = st.one_of(
+        outcome,
+        st.builds(lambda items: {"type": "results", "results": items},
+                  st.lists(outcome | json_value, max_size=6)),
         st.builds(lambda ids: {"type": "heartbeat", "ids": ids}, st.lists(job_id, max_size=5)),
         st.just({"type": "drain"}),
         st.builds(lambda a, k, c, p: {"type": "hello", "agent": a, "kinds": k, "capacity": c, "protocol": p},
