@@ -13,9 +13,9 @@ from gpuq.agent import Agent
 from tests.helpers import wait_count
 
 
-def _start_serve(dsn, *extra):
+def _start_serve(dsn, *extra, level="info"):
     env = {**os.environ, "DATABASE_URL": dsn, "GPUQ_TOKENS": "ops-token", "GPUQ_LISTEN": "127.0.0.1:0",
-           "GPUQ_LOG_FORMAT": "json", "GPUQ_POLL_SECONDS": "0.5"}
+           "GPUQ_LOG_FORMAT": "json", "GPUQ_POLL_SECONDS": "0.5", "GPUQ_LOG_LEVEL": level}
     proc = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "serve", *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     lines: list[str] = []
@@ -35,7 +35,7 @@ def _start_serve(dsn, *extra):
 
 
 async def test_serve_logs_json_lines_with_job_ids_and_exits_0_on_sigterm(dsn, pool):
-    proc, lines, port, ready = _start_serve(dsn)
+    proc, lines, port, ready = _start_serve(dsn, level="debug")
     try:
         assert await anyio.to_thread.run_sync(ready.wait, 20) and port, proc.stderr.read()
         agent = Agent(f"ws://127.0.0.1:{port[0]}/agent", "ops-token", ["logged"], 4, lambda job: {"ok": 1}, "opsy")
@@ -56,6 +56,8 @@ async def test_serve_logs_json_lines_with_job_ids_and_exits_0_on_sigterm(dsn, po
             "dispatcher.drained", "server.stopped"} <= names
     done_ids = sorted(i for e in events if e["event"] == "job.done" for i in e["job_ids"])
     assert done_ids == sorted(ids)
+    pushed = [e for e in events if e["event"] == "job.pushed"]  # one DEBUG line per job
+    assert sorted(e["job_id"] for e in pushed) == sorted(ids) and all(e["level"] == "debug" for e in pushed)
     assert all("timestamp" in e and "level" in e for e in events)
     connected = [e for e in events if e["event"] == "agent.connected"]
     assert connected[0]["agent"].startswith("opsy#") and connected[0]["kinds"] == ["logged"]
@@ -82,3 +84,21 @@ def test_gpuq_dev_runs_end_to_end_from_a_clean_directory(tmp_path):
         import shutil
 
         shutil.rmtree((data / "pgdata").resolve().parent, ignore_errors=True)
+
+
+def test_debug_lines_are_asked_for_once_per_batch_only_when_printed():
+    import io
+
+    import structlog
+
+    from gpuq import logs
+
+    saved, saved_level = structlog.get_config(), logs._level
+    try:
+        logs.configure("json", "info", io.StringIO())
+        assert not logs.debug_enabled()
+        logs.configure("json", "debug", io.StringIO())
+        assert logs.debug_enabled()
+    finally:
+        structlog.configure(**saved)
+        logs._level = saved_level

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import random
 import secrets
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -250,8 +251,10 @@ class Dispatcher:
         by_session: dict[str, list[queue.LeasedJob]] = {}
         for j in jobs:
             by_session.setdefault(j.leased_by, []).append(j)
-            metrics.JOBS_LEASED.labels(kind=j.kind).inc()
+        for kind, n in Counter(j.kind for j in jobs).items():
+            metrics.JOBS_LEASED.labels(kind=kind).inc(n)
         metrics.LEASE_BATCH.observe(len(jobs))
+        debug = logs.debug_enabled()
         for sid, batch in by_session.items():
             session = self.sessions.get(sid)
             if session is None:  # left between the lease and now: give the jobs back
@@ -259,8 +262,8 @@ class Dispatcher:
                 continue
             for j in batch:
                 session.inflight[j.id] = (j.lease_token, j.kind)
-                log.debug("job.leased", job_id=j.id, agent=sid, kind=j.kind, attempt=j.attempt)
-                log.debug("job.pushed", job_id=j.id, agent=sid, kind=j.kind)
+                if debug:
+                    log.debug("job.pushed", job_id=j.id, agent=sid, kind=j.kind, attempt=j.attempt)
             session.push(encode(Jobs(tuple(
                 JobMessage(j.id, j.lease_token, j.kind, j.payload, j.attempt) for j in batch))))
         metrics.INFLIGHT.set(sum(len(s.inflight) for s in self.sessions.values()))
@@ -375,13 +378,16 @@ class Completer:
         # Committed: now take them off the queue and tell the agents.
         del self._done[:len(done)], self._failed[:len(failed)], self.orphans[:len(orphans)]
         acks: dict[AgentSession, tuple[list[int], list[int]]] = {}
+        done_kinds: Counter[str | None] = Counter()
         for session, m, kind in done:
             ok = m.id in accepted
             acks.setdefault(session, ([], []))[0 if ok else 1].append(m.id)
-            if ok:
-                metrics.JOBS_DONE.labels(kind=kind).inc()
+            done_kinds[kind if ok else None] += 1
+        for kind, n in done_kinds.items():
+            if kind is None:
+                metrics.RESULTS_REJECTED.inc(n)
             else:
-                metrics.RESULTS_REJECTED.inc()
+                metrics.JOBS_DONE.labels(kind=kind).inc(n)
         for session, m, kind in failed:
             out = outcomes.get(m.id)
             acks.setdefault(session, ([], []))[0 if out else 1].append(m.id)

@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 
 FORMATS = ("auto", "json", "console")
+_level = logging.NOTSET  # unconfigured structlog prints every level
 
 
 def configure(fmt: str | None = None, level: str | None = None, stream: Any = None) -> None:
@@ -26,6 +27,8 @@ def configure(fmt: str | None = None, level: str | None = None, stream: Any = No
     numeric = logging.getLevelName(level_name)
     if not isinstance(numeric, int):
         raise ValueError(f"unknown log level {level_name!r}")
+    global _level
+    _level = numeric
     stream = stream or sys.stdout
     if fmt == "auto":
         fmt = "console" if getattr(stream, "isatty", lambda: False)() else "json"
@@ -46,6 +49,11 @@ def configure(fmt: str | None = None, level: str | None = None, stream: Any = No
         logger_factory=structlog.PrintLoggerFactory(stream),
         cache_logger_on_first_use=False,
     )
+
+
+def debug_enabled() -> bool:
+    """Whether DEBUG lines are printed: ask once per batch before logging each job of it."""
+    return _level <= logging.DEBUG
 
 
 def get(name: str) -> Any:
