@@ -159,11 +159,9 @@ async def test_bad_token_is_refused_and_no_job_is_leased(dsn, pool):
         assert await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status <> 'pending'") == 0
 
 
-async def test_outcomes_ready_together_go_in_few_frames():
-    """64 jobs pushed at once come back in a handful of results frames, not 64.
-
-    The peer is a scripted protocol server (no database involved): it only
-    counts the frames the agent sends."""
+async def _against_scripted_peer(n_jobs, handle, capacity=64):
+    """Run an Agent against a scripted protocol server (no database involved) that
+    pushes ``n_jobs`` jobs in one frame; return the frames the agent sent back."""
     from websockets.asyncio.server import serve
 
     frames: list[dict] = []
@@ -175,29 +173,54 @@ async def test_outcomes_ready_together_go_in_few_frames():
                                   "lease_seconds": 60, "heartbeat_seconds": 30, "max_payload": 1 << 20}))
         await ws.send(json.dumps({"type": "jobs", "jobs": [
             {"id": i, "lease_token": f"00000000-0000-0000-0000-{i:012d}", "kind": "embed", "payload": i,
-             "attempt": 1} for i in range(1, 65)]}))
+             "attempt": 1} for i in range(1, n_jobs + 1)]}))
         seen = 0
         async for raw in ws:
             frames.append(json.loads(raw))
             seen += len(frames[-1]["results"])
-            if seen == 64:
+            if seen == n_jobs:
                 got_all.set()
-
-    async def handle(job):
-        return job.payload * 2
 
     async with serve(peer, "127.0.0.1", 0) as server:
         port = next(iter(server.sockets)).getsockname()[1]
-        agent = Agent(f"ws://127.0.0.1:{port}/agent", TOKEN, ["embed"], 64, handle, "batcher")
+        agent = Agent(f"ws://127.0.0.1:{port}/agent", TOKEN, ["embed"], capacity, handle, "scripted")
         async with anyio.create_task_group() as tg:
             tg.start_soon(agent.run)
             with anyio.fail_after(10):
                 await got_all.wait()
             tg.cancel_scope.cancel()
+    return frames
+
+
+async def test_outcomes_ready_together_go_in_few_frames():
+    """64 jobs pushed at once come back in a handful of results frames, not 64."""
+    async def handle(job):
+        return job.payload * 2
+
+    frames = await _against_scripted_peer(64, handle)
     assert {f["type"] for f in frames} == {"results"}
     results = {o["id"]: o["result"] for f in frames for o in f["results"]}
     assert results == {i: 2 * i for i in range(1, 65)}
     assert len(frames) <= 4
+
+
+async def test_jobs_of_one_push_run_concurrently_and_report_as_each_ends():
+    """Job 1 waits for job 3 to start: run one after another, it would never end.
+    Job 2 ends first and is reported before job 1 is."""
+    started_3 = anyio.Event()
+
+    async def handle(job):
+        if job.id == 1:
+            await started_3.wait()
+            await anyio.sleep(0.2)
+        elif job.id == 3:
+            started_3.set()
+            await anyio.sleep(0.2)
+        return job.id
+
+    frames = await _against_scripted_peer(3, handle)
+    order = [o["id"] for f in frames for o in f["results"]]
+    assert sorted(order) == [1, 2, 3] and order[0] == 2
 
 
 async def test_a_result_postgres_cannot_store_fails_the_job_for_good(dsn, pool):
