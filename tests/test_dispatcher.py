@@ -1,5 +1,7 @@
 """Dispatcher resilience: lost notifications, several dispatchers on one database."""
 
+import json
+
 import anyio
 
 from tests.harness import running_server
@@ -57,3 +59,31 @@ async def test_two_dispatchers_never_deliver_one_job_twice(dsn, pool):
     assert all(len(v) == 1 for v in deliveries.values())
     served = {name.split("-")[0] for v in deliveries.values() for name in v}
     assert served == {"one", "two"}  # both dispatchers really took part
+
+
+async def test_one_lease_statement_serves_every_agent_of_a_group(dsn, pool):
+    """4 idle agents x 64 credits and 256 new jobs: one statement of 256, not four of 64."""
+    from gpuq import metrics
+    from tests.helpers import wait_for
+    from tests.test_agents import _next_of, _raw_agent
+    from tests.test_http import _get
+
+    def statements(le):  # lease statements that returned 1..le jobs (polls lease 0 now and then)
+        def bucket(b):
+            return metrics.REGISTRY.get_sample_value("gpuq_lease_batch_size_bucket", {"le": b}) or 0.0
+        return bucket(le) - bucket("0.0")
+
+    async with running_server(dsn) as srv:
+        assert srv.config.max_batch == 256
+        agents = [(await _raw_agent(srv, capacity=64, name=f"a{i}"))[0] for i in range(4)]
+        async def all_connected():
+            return json.loads((await _get(srv.http + "/status"))[2])["agents_connected"] == 4
+
+        await wait_for(all_connected)
+        small, total = statements("128.0"), statements("+Inf")
+        await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'embed' FROM generate_series(1, 256)")
+        for ws in agents:
+            assert len((await _next_of(ws, "jobs"))["jobs"]) == 64
+        assert statements("+Inf") - total >= 1 and statements("128.0") == small  # no lease of <= 128
+        for ws in agents:
+            await ws.close()

@@ -48,7 +48,9 @@ class ServerConfig:
     heartbeat_seconds: float = 15.0
     poll_seconds: float = 2.0
     max_payload: int = 1 << 20
-    max_batch: int = 64  # jobs per lease statement
+    # Jobs per lease statement, shared by the agents that take the same kinds:
+    # 256 beat 64 by 10-39% in the throughput bench (4 agents x 64, fewer commits).
+    max_batch: int = 256
     sweep_seconds: float = 2.0
     retention_seconds: float | None = None
     drain_seconds: float = 30.0

@@ -19,7 +19,7 @@ LEASE_SECONDS = Histogram(
 )
 LEASE_BATCH = Histogram(
     "gpuq_lease_batch_size", "Jobs leased per lease statement",
-    buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256), registry=REGISTRY,
+    buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=REGISTRY,
 )
 AGENTS = Gauge("gpuq_agents_connected", "Agents connected to this dispatcher", registry=REGISTRY)
 INFLIGHT = Gauge("gpuq_jobs_inflight", "Jobs pushed to agents of this dispatcher, not yet reported",
