@@ -225,3 +225,17 @@ async def test_a_results_frame_with_one_bad_outcome_changes_nothing(dsn, pool):
         assert err["code"] == protocol.BAD_MESSAGE and "U+0000" in err["message"]
         await ws.close()
     assert await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'done'") == 0
+
+
+async def test_a_pushed_job_has_exactly_the_documented_fields(dsn, pool):
+    """The job objects are JSON built by PostgreSQL in the lease: same fields, same values."""
+    payload = {"text": "héllo \"quoted\" \\ ☃", "n": [1, 2.5, None, True], "big": 2**62}
+    async with running_server(dsn) as srv:
+        ws, _ = await _raw_agent(srv)
+        jid = await pool.fetchval("INSERT INTO gpuq.jobs (kind, payload) VALUES ('embed', $1) RETURNING id", payload)
+        frame = await _next_of(ws, "jobs")
+        token = await pool.fetchval("SELECT lease_token::text FROM gpuq.jobs WHERE id = $1", jid)
+        assert frame == {"type": "jobs", "jobs": [
+            {"id": jid, "lease_token": token, "kind": "embed", "payload": payload, "attempt": 1}]}
+        assert protocol.parse_server(json.dumps(frame)).jobs[0].payload == payload
+        await ws.close()

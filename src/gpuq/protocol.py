@@ -208,6 +208,11 @@ def pack_results(items: list[str], max_size: int) -> list[str]:
     return frames
 
 
+def jobs_frame(messages: list[str]) -> str:
+    """A ``jobs`` frame from jobs already encoded as JSON objects (the lease builds them)."""
+    return '{"type":"jobs","jobs":[' + ",".join(messages) + "]}"
+
+
 _RESULTS_HEAD, _RESULTS_TAIL = '{"type":"results","results":[', "]}"
 RESULTS_OVERHEAD = len(_RESULTS_HEAD) + len(_RESULTS_TAIL)  # bytes a one-item frame adds to its item
 

@@ -35,12 +35,18 @@ class DB(Protocol):
 class LeasedJob:
     id: int
     kind: str
-    payload: Any
     attempt: int
     max_attempts: int
     lease_token: str
-    priority: int = 0
-    leased_by: str = ""
+    priority: int
+    leased_by: str
+    # The job as the protocol pushes it ({id, lease_token, kind, payload,
+    # attempt}), JSON built by PostgreSQL: serve never decodes a payload.
+    message: str
+
+    @property
+    def payload(self) -> Any:
+        return json.loads(self.message)["payload"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +187,9 @@ async def _enqueue_dedup(db: DB, jobs: Sequence[NewJob]) -> list[int]:
 # reading at most $2 entries; SKIP LOCKED keeps concurrent leasers disjoint.
 # The UPDATE finds the locked rows by ctid (a TID scan: no primary-key descent
 # per row, which would deepen with history); a row we hold locked cannot move.
-_LEASE_PENDING = """
+_MESSAGE = ("json_build_object('id', j.id, 'lease_token', j.lease_token, 'kind', j.kind, "
+            "'payload', j.payload, 'attempt', j.attempts)::text AS message")
+_LEASE_PENDING = f"""
 WITH picked AS (
     SELECT c.ctid, row_number() OVER (ORDER BY c.priority DESC, c.id) AS rn
     FROM unnest($1::text[]) AS k(kind)
@@ -203,14 +211,14 @@ SET status = 'leased', attempts = j.attempts + 1, lease_token = gen_random_uuid(
     leased_by = a.agent, lease_expires_at = now() + make_interval(secs => $4), started_at = now()
 FROM assigned a
 WHERE j.ctid = a.ctid
-RETURNING j.id, j.kind, j.payload, j.attempts, j.max_attempts, j.lease_token::text AS lease_token,
-          j.priority, j.leased_by
-"""
+RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token,
+          j.priority, j.leased_by, {_MESSAGE}
+"""  # noqa: S608 (composed of module constants only)
 
 # Phase 2: reclaim leases that expired (their agent vanished without a
 # disconnect we saw, e.g. another dispatcher died). Walks jobs_leased_idx
 # from the oldest expiry. A row whose attempts are used up goes dead instead.
-_LEASE_EXPIRED = """
+_LEASE_EXPIRED = f"""
 WITH picked AS (
     SELECT ctid, row_number() OVER (ORDER BY lease_expires_at, id) AS rn FROM (
         SELECT ctid, id, lease_expires_at FROM gpuq.jobs
@@ -236,10 +244,9 @@ SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead'::gpuq.job_status
                       THEN 'lease expired after the last attempt' ELSE j.last_error END
 FROM assigned a
 WHERE j.ctid = a.ctid
-RETURNING j.id, j.kind, j.payload, j.attempts, j.max_attempts, j.lease_token::text AS lease_token,
-          j.priority, j.leased_by,
-          j.status
-"""
+RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token,
+          j.priority, j.leased_by, {_MESSAGE}, j.status
+"""  # noqa: S608 (composed of module constants only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,8 +345,8 @@ def plan_indexes(plan: dict[str, Any]) -> set[str]:
 
 
 def _leased(r: Any) -> LeasedJob:
-    return LeasedJob(r["id"], r["kind"], r["payload"], r["attempts"], r["max_attempts"],
-                     r["lease_token"], r["priority"], r["leased_by"])
+    return LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
+                     r["leased_by"], r["message"])
 
 
 # --------------------------------------------------------------------------
