@@ -11,8 +11,8 @@ LEASE = 30.0
 
 async def _phase1_buffers(conn, kinds=("train",), n=32):
     await conn.execute("ANALYZE gpuq.jobs")
-    await queue.explain_lease_pending(conn, kinds, n)  # warm the caches and the plan
-    plan = await queue.explain_lease_pending(conn, kinds, n)
+    await queue.explain_lease(conn, kinds, n)  # warm the caches and the plan
+    plan = await queue.explain_lease(conn, kinds, n)
     return (queue.plan_buffers(plan, reads_only=True), queue.plan_buffers(plan),
             queue.plan_indexes(plan))
 
@@ -73,6 +73,10 @@ async def test_phase2_runs_only_when_phase1_is_short(conn):
     await queue.lease(conn, ["train"], 4, "old#1", LEASE)
     await expire_leases(conn)
     fresh = await add_pending(conn, 4)
+    # One statement does both phases; with the batch full, the scan of expired
+    # leases is never started (its LIMIT is 0).
+    assert _expired_scan_loops(await queue.explain_lease(conn, ["train"], 4)) == 0
+    assert _expired_scan_loops(await queue.explain_lease(conn, ["train"], 5)) == 1
 
     full = await queue.lease(conn, ["train"], 4, "new#1", LEASE)
     assert [j.id for j in full.jobs] == fresh and not full.phase2_ran
@@ -84,6 +88,16 @@ async def test_phase2_runs_only_when_phase1_is_short(conn):
     assert all(j.attempt == 2 for j in short.jobs)
     row = await job(conn, first[0])
     assert row["leased_by"] == "new#1" and row["attempts"] == 2
+
+
+def _expired_scan_loops(plan):
+    def nodes(n):
+        yield n
+        for child in n.get("Plans", []):
+            yield from nodes(child)
+
+    [scan] = [n for n in nodes(plan["Plan"]) if n.get("Index Name") == "jobs_leased_idx"]
+    return scan["Actual Loops"]
 
 
 async def test_reclaimed_lease_gets_a_new_token(conn):
@@ -171,7 +185,7 @@ async def test_stale_statistics_cannot_turn_the_lease_into_a_scan_of_pending(con
     await conn.execute("ANALYZE gpuq.jobs")
     await add_pending(conn, 20_000)
     await conn.execute("SET random_page_cost = 40; SET effective_cache_size = '8kB'")
-    plan = await queue.explain_lease_pending(conn, ["train"], 64)
+    plan = await queue.explain_lease(conn, ["train"], 64)
     text = json.dumps(plan)
     assert "Bitmap Heap Scan" not in text and "Seq Scan" not in text
     assert queue.plan_buffers(plan, reads_only=True) < 150  # 20k pending rows span ~150+ pages
@@ -185,4 +199,5 @@ async def test_every_gpuq_connection_plans_with_the_lease_guard(pool, conn):
     for _ in range(3):  # acquire, release, acquire again
         assert await pool.fetchval("SHOW enable_bitmapscan") == "off"
         assert await pool.fetchval("SHOW enable_seqscan") == "off"
+        assert await pool.fetchval("SHOW plan_cache_mode") == "force_generic_plan"
     assert await conn.fetchval("SHOW enable_bitmapscan") == "off"

@@ -14,7 +14,7 @@ RESULTS_REJECTED = Counter(
     "gpuq_results_rejected", "Results refused by lease fencing (stale token)", registry=REGISTRY
 )
 LEASE_SECONDS = Histogram(
-    "gpuq_lease_query_seconds", "Duration of one lease statement pair (phase 1, phase 2 if run)",
+    "gpuq_lease_query_seconds", "Duration of one lease statement (both phases)",
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0), registry=REGISTRY,
 )
 LEASE_BATCH = Histogram(

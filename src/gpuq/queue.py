@@ -182,14 +182,21 @@ async def _enqueue_dedup(db: DB, jobs: Sequence[NewJob]) -> list[int]:
 # Lease: two phases, each on its own partial index
 # --------------------------------------------------------------------------
 
-# Phase 1: claim pending rows. One index probe per kind on
+# Both phases in one statement (one round trip, one commit):
+# Phase 1 (picked): claim pending rows. One index probe per kind on
 # jobs_pending_idx (kind, priority DESC, id) WHERE status='pending', each
 # reading at most $2 entries; SKIP LOCKED keeps concurrent leasers disjoint.
+# Phase 2 (expired): reclaim leases that expired (their agent vanished without
+# a disconnect we saw, e.g. another dispatcher died), walking jobs_leased_idx
+# from the oldest expiry, for the slots phase 1 left. When phase 1 filled the
+# batch its LIMIT is 0 and PostgreSQL does not even start that scan. A
+# reclaimed row whose attempts are used up goes dead instead.
 # The UPDATE finds the locked rows by ctid (a TID scan: no primary-key descent
 # per row, which would deepen with history); a row we hold locked cannot move.
 _MESSAGE = ("json_build_object('id', j.id, 'lease_token', j.lease_token, 'kind', j.kind, "
             "'payload', j.payload, 'attempt', j.attempts)::text AS message")
-_LEASE_PENDING = f"""
+_EXHAUSTED = "(a.phase = 2 AND j.attempts >= j.max_attempts)"
+_LEASE = f"""
 WITH picked AS (
     SELECT c.ctid, row_number() OVER (ORDER BY c.priority DESC, c.id) AS rn
     FROM unnest($1::text[]) AS k(kind)
@@ -202,50 +209,33 @@ WITH picked AS (
     ) c
     ORDER BY c.priority DESC, c.id
     LIMIT $2
-), assigned AS (
-    SELECT p.ctid, s.agent FROM picked p
-    JOIN unnest($3::text[]) WITH ORDINALITY AS s(agent, slot) ON s.slot = p.rn
-)
-UPDATE gpuq.jobs j
-SET status = 'leased', attempts = j.attempts + 1, lease_token = gen_random_uuid(),
-    leased_by = a.agent, lease_expires_at = now() + make_interval(secs => $4), started_at = now()
-FROM assigned a
-WHERE j.ctid = a.ctid
-RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token,
-          j.priority, j.leased_by, {_MESSAGE}
-"""  # noqa: S608 (composed of module constants only)
-
-# Phase 2: reclaim leases that expired (their agent vanished without a
-# disconnect we saw, e.g. another dispatcher died). Walks jobs_leased_idx
-# from the oldest expiry. A row whose attempts are used up goes dead instead.
-_LEASE_EXPIRED = f"""
-WITH picked AS (
-    SELECT ctid, row_number() OVER (ORDER BY lease_expires_at, id) AS rn FROM (
+), expired AS (
+    SELECT e.ctid, (SELECT count(*) FROM picked) + row_number() OVER (ORDER BY e.lease_expires_at, e.id) AS rn
+    FROM (
         SELECT ctid, id, lease_expires_at FROM gpuq.jobs
         WHERE status = 'leased' AND lease_expires_at < now() AND kind = ANY($1::text[])
         ORDER BY lease_expires_at
-        LIMIT $2
+        LIMIT greatest($2 - (SELECT count(*) FROM picked), 0)
         FOR UPDATE SKIP LOCKED
     ) e
 ), assigned AS (
-    SELECT p.ctid, s.agent FROM picked p
+    SELECT p.ctid, p.phase, s.agent, s.slot
+    FROM (SELECT ctid, rn, 1 AS phase FROM picked UNION ALL SELECT ctid, rn, 2 FROM expired) p
     JOIN unnest($3::text[]) WITH ORDINALITY AS s(agent, slot) ON s.slot = p.rn
 )
 UPDATE gpuq.jobs j
-SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead'::gpuq.job_status ELSE 'leased' END,
-    attempts = least(j.attempts + 1, j.max_attempts),
-    lease_token = CASE WHEN j.attempts >= j.max_attempts THEN j.lease_token ELSE gen_random_uuid() END,
-    leased_by = CASE WHEN j.attempts >= j.max_attempts THEN j.leased_by ELSE a.agent END,
-    lease_expires_at = CASE WHEN j.attempts >= j.max_attempts THEN j.lease_expires_at
-                            ELSE now() + make_interval(secs => $4) END,
-    started_at = CASE WHEN j.attempts >= j.max_attempts THEN j.started_at ELSE now() END,
-    finished_at = CASE WHEN j.attempts >= j.max_attempts THEN now() END,
-    last_error = CASE WHEN j.attempts >= j.max_attempts
-                      THEN 'lease expired after the last attempt' ELSE j.last_error END
+SET status = CASE WHEN {_EXHAUSTED} THEN 'dead'::gpuq.job_status ELSE 'leased' END,
+    attempts = CASE WHEN {_EXHAUSTED} THEN j.attempts ELSE j.attempts + 1 END,
+    lease_token = CASE WHEN {_EXHAUSTED} THEN j.lease_token ELSE gen_random_uuid() END,
+    leased_by = CASE WHEN {_EXHAUSTED} THEN j.leased_by ELSE a.agent END,
+    lease_expires_at = CASE WHEN {_EXHAUSTED} THEN j.lease_expires_at ELSE now() + make_interval(secs => $4) END,
+    started_at = CASE WHEN {_EXHAUSTED} THEN j.started_at ELSE now() END,
+    finished_at = CASE WHEN {_EXHAUSTED} THEN now() END,
+    last_error = CASE WHEN {_EXHAUSTED} THEN 'lease expired after the last attempt' ELSE j.last_error END
 FROM assigned a
 WHERE j.ctid = a.ctid
 RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token,
-          j.priority, j.leased_by, {_MESSAGE}, j.status
+          j.priority, j.leased_by, {_MESSAGE}, j.status, a.phase, a.slot
 """  # noqa: S608 (composed of module constants only)
 
 
@@ -254,7 +244,7 @@ class LeaseResult:
     jobs: list[LeasedJob]
     reclaimed: int = 0  # of ``jobs``, how many came from expired leases
     dead: int = 0  # expired leases found with no attempts left, now dead
-    phase2_ran: bool = False
+    phase2_ran: bool = False  # phase 1 left slots, so expired leases were looked for
 
 
 async def lease(db: DB, kinds: Sequence[str], n: int, agent: str, lease_seconds: float) -> LeaseResult:
@@ -273,17 +263,14 @@ async def lease_slots(db: DB, kinds: Sequence[str], slots: Sequence[str], lease_
     n = len(slots)
     if n <= 0 or not kinds:
         return LeaseResult([])
-    kinds, slots = list(kinds), list(slots)
-    # No transaction: each phase is one atomic statement, and a lease that is
-    # one round trip (two only when pending runs short) is the hot path.
-    rows = await db.fetch(_LEASE_PENDING, kinds, n, slots, float(lease_seconds))
-    # UPDATE ... RETURNING does not keep the pick order: restore dispatch order.
-    jobs = sorted((_leased(r) for r in rows), key=lambda j: (-j.priority, j.id))
-    if len(jobs) >= n:
-        return LeaseResult(jobs)
-    rows = await db.fetch(_LEASE_EXPIRED, kinds, n - len(jobs), slots[len(jobs):], float(lease_seconds))
-    reclaimed = [_leased(r) for r in rows if r["status"] == "leased"]
-    return LeaseResult(jobs + reclaimed, len(reclaimed), len(rows) - len(reclaimed), True)
+    rows = await db.fetch(_LEASE, list(kinds), n, list(slots), float(lease_seconds))
+    leased = [r for r in rows if r["status"] == "leased"]
+    # UPDATE ... RETURNING does not keep the pick order: restore the slots' order
+    # (pending by priority and id, then reclaimed ones by expiry).
+    jobs = [_leased(r) for r in sorted(leased, key=lambda r: r["slot"])]
+    picked = sum(1 for r in rows if r["phase"] == 1)
+    reclaimed = len(jobs) - picked
+    return LeaseResult(jobs, reclaimed, len(rows) - len(jobs), phase2_ran=picked < n)
 
 
 # Planner statistics of a queue are always stale: ANALYZE saw 0 pending rows,
@@ -293,11 +280,14 @@ async def lease_slots(db: DB, kinds: Sequence[str], slots: Sequence[str], lease_
 # settings leave it only the ordered walk. Every connection gpuq.db opens
 # starts with them (startup parameters: no round trip); every hot statement
 # is meant to walk a partial index anyway, so nothing else loses a good plan.
-PLAN_SETTINGS = {"enable_bitmapscan": "off", "enable_seqscan": "off"}
+# With no other plan left, planning the lease again for each call's values
+# is pure cost (0.37 ms of a 0.5 ms lease of one job): the generic plan of
+# the prepared statement is the same walk, so use it from the first call.
+PLAN_SETTINGS = {"enable_bitmapscan": "off", "enable_seqscan": "off", "plan_cache_mode": "force_generic_plan"}
 
 
-async def explain_lease_pending(conn: Any, kinds: Sequence[str], n: int) -> dict[str, Any]:
-    """EXPLAIN (ANALYZE, BUFFERS) of lease phase 1, rolled back: the plan as a dict.
+async def explain_lease(conn: Any, kinds: Sequence[str], n: int) -> dict[str, Any]:
+    """EXPLAIN (ANALYZE, BUFFERS) of the lease statement, rolled back: the plan as a dict.
 
     For the history-independence checks in tests and ``gpuq bench lease-history``.
     ``conn`` must be a Connection (the statement runs inside a transaction).
@@ -306,7 +296,7 @@ async def explain_lease_pending(conn: Any, kinds: Sequence[str], n: int) -> dict
     await tx.start()
     try:
         raw = await conn.fetchval(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + _LEASE_PENDING,
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + _LEASE,
             list(kinds), n, ["explain"] * n, 30.0,
         )
     finally:
@@ -319,12 +309,13 @@ def plan_buffers(plan: dict[str, Any], *, reads_only: bool = False) -> int:
     """Shared buffers (hit + read) the executed plan touched, planning excluded.
 
     ``reads_only``: only the finding and locking of the rows (the ``picked``
-    CTE), not the writing of new row versions and their index entries, whose
+    and ``expired`` CTEs), not the writing of new row versions and their index entries, whose
     B-tree descent grows (logarithmically) with the table like any insert's.
     """
     nodes = [plan["Plan"]]
     if reads_only:
-        nodes = [n for n in plan["Plan"].get("Plans", []) if n.get("Subplan Name") == "CTE picked"]
+        nodes = [n for n in plan["Plan"].get("Plans", [])
+                 if n.get("Subplan Name") in ("CTE picked", "CTE expired")]
     return sum(int(n.get("Shared Hit Blocks", 0)) + int(n.get("Shared Read Blocks", 0)) for n in nodes)
 
 

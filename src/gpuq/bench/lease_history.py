@@ -255,7 +255,7 @@ async def _measure(conn: Any, batch: int, repeat: int, budget: float,
     if naive:
         plan, _ms = await rolled_back(lambda: _explain_naive(conn, batch))
     else:  # its own rolled-back transaction
-        plan = await queue.explain_lease_pending(conn, [KIND], batch)
+        plan = await queue.explain_lease(conn, [KIND], batch)
     times: list[float] = []
     while len(times) < repeat and (len(times) < 5 or sum(times) < budget * 1000):
         times.append((await rolled_back(lease_once))[1])
