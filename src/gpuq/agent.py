@@ -28,7 +28,6 @@ import socket
 import ssl
 import traceback
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -49,13 +48,9 @@ class AuthError(RuntimeError):
     """The server refused our token (HTTP 401): retrying will not help."""
 
 
-@dataclass(frozen=True, slots=True)
-class Job:
-    id: int
-    kind: str
-    payload: Any
-    attempt: int
-    lease_token: str
+# What a handler gets: job.id, job.kind, job.payload, job.attempt, job.lease_token
+# (the protocol's own message object, so a push is parsed into it only once).
+Job = protocol.JobMessage
 
 
 Handler = Callable[[Job], Any]
@@ -154,7 +149,7 @@ class Agent:
         async for frame in ws:
             msg = protocol.parse_server(frame)
             if isinstance(msg, Jobs):
-                jobs = [Job(j.id, j.kind, j.payload, j.attempt, j.lease_token) for j in msg.jobs]
+                jobs = list(msg.jobs)
                 for job in jobs:
                     self._running[job.id] = job
                 tg.start_soon(self._run_jobs, jobs)

@@ -382,11 +382,11 @@ class Completer:
             ok = m.id in accepted
             acks.setdefault(session, ([], []))[0 if ok else 1].append(m.id)
             done_kinds[kind if ok else None] += 1
-        for kind, n in done_kinds.items():
-            if kind is None:
+        for done_kind, n in done_kinds.items():
+            if done_kind is None:
                 metrics.RESULTS_REJECTED.inc(n)
             else:
-                metrics.JOBS_DONE.labels(kind=kind).inc(n)
+                metrics.JOBS_DONE.labels(kind=done_kind).inc(n)
         for session, m, kind in failed:
             out = outcomes.get(m.id)
             acks.setdefault(session, ([], []))[0 if out else 1].append(m.id)

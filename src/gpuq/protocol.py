@@ -165,7 +165,8 @@ def _outcome(obj: Any, maybe_nul: bool) -> Done | Failed:
     fields = _OUTCOME_FIELDS.get(kind) if isinstance(kind, str) else None
     if fields is None:
         raise ProtocolError(BAD_MESSAGE, "each outcome must be a done or failed message")
-    _exact_fields(obj, fields, fatal=False)
+    if obj.keys() != fields:
+        _exact_fields(obj, fields, fatal=False)
     if kind == "done":
         # PostgreSQL's jsonb cannot store U+0000: refuse it here, not in a batch write.
         if maybe_nul and contains_nul(obj["result"]):
@@ -289,16 +290,24 @@ ServerMessage = Welcome | Jobs | Ack | ServerDrain | Error
 
 def encode(msg: ServerMessage | ClientMessage) -> str:
     """One JSON text frame for any message."""
-    if isinstance(msg, Welcome):
-        body: dict[str, Any] = {"type": "welcome", "agent_id": msg.agent_id, "protocol": msg.protocol,
-                                "lease_seconds": msg.lease_seconds,
-                                "heartbeat_seconds": msg.heartbeat_seconds, "max_payload": msg.max_payload}
+    body: dict[str, Any]
+    if isinstance(msg, Done):  # the per-job messages first
+        body = {"type": "done", "id": msg.id, "lease_token": msg.lease_token, "result": msg.result}
+    elif isinstance(msg, Ack):
+        body = {"type": "ack", "accepted": list(msg.accepted), "rejected": list(msg.rejected)}
+    elif isinstance(msg, Failed):
+        body = {"type": "failed", "id": msg.id, "lease_token": msg.lease_token, "error": msg.error,
+                "retryable": msg.retryable}
+    elif isinstance(msg, Results):
+        return pack_results([encode(o) for o in msg.outcomes], 1 << 62)[0]
     elif isinstance(msg, Jobs):
         body = {"type": "jobs", "jobs": [
             {"id": j.id, "lease_token": j.lease_token, "kind": j.kind, "payload": j.payload,
              "attempt": j.attempt} for j in msg.jobs]}
-    elif isinstance(msg, Ack):
-        body = {"type": "ack", "accepted": list(msg.accepted), "rejected": list(msg.rejected)}
+    elif isinstance(msg, Welcome):
+        body = {"type": "welcome", "agent_id": msg.agent_id, "protocol": msg.protocol,
+                "lease_seconds": msg.lease_seconds,
+                "heartbeat_seconds": msg.heartbeat_seconds, "max_payload": msg.max_payload}
     elif isinstance(msg, ServerDrain):
         body = {"type": "drain", "deadline_seconds": msg.deadline_seconds}
     elif isinstance(msg, Error):
@@ -306,13 +315,6 @@ def encode(msg: ServerMessage | ClientMessage) -> str:
     elif isinstance(msg, Hello):
         body = {"type": "hello", "agent": msg.agent, "kinds": list(msg.kinds), "capacity": msg.capacity,
                 "protocol": msg.protocol}
-    elif isinstance(msg, Done):
-        body = {"type": "done", "id": msg.id, "lease_token": msg.lease_token, "result": msg.result}
-    elif isinstance(msg, Failed):
-        body = {"type": "failed", "id": msg.id, "lease_token": msg.lease_token, "error": msg.error,
-                "retryable": msg.retryable}
-    elif isinstance(msg, Results):
-        return pack_results([encode(o) for o in msg.outcomes], 1 << 62)[0]
     elif isinstance(msg, Heartbeat):
         body = {"type": "heartbeat", "ids": list(msg.ids)}
     elif isinstance(msg, Drain):
@@ -353,7 +355,7 @@ def parse_server(frame: str | bytes) -> ServerMessage:
 
 def _load(frame: str) -> dict[str, Any]:
     try:
-        obj = json.loads(frame, parse_constant=_no_constants)
+        obj = _DECODER.decode(frame)
     except (ValueError, RecursionError) as exc:
         raise ProtocolError(BAD_JSON, f"frame is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
@@ -363,6 +365,9 @@ def _load(frame: str) -> dict[str, Any]:
 
 def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constants)  # one, not one per frame
 
 
 def _exact_fields(obj: dict[str, Any], fields: set[str], fatal: bool) -> None:
