@@ -118,7 +118,8 @@ _NAIVE_EXPLAIN = "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + _NAIVE_LEASE
 # The incident's plan: no sort possible, so ORDER BY id walks the primary key.
 _PIN_PK_WALK = "SET LOCAL enable_sort = off"
 # The naive design ran with PostgreSQL's default planner, not gpuq's PLAN_SETTINGS.
-_PLANNER_DEFAULTS = "SET LOCAL enable_bitmapscan = on; SET LOCAL enable_seqscan = on"
+_PLANNER_DEFAULTS = ("SET LOCAL enable_bitmapscan = on; SET LOCAL enable_seqscan = on; "
+                     "SET LOCAL plan_cache_mode = auto")
 
 GPUQ, NAIVE, NAIVE_PLANNER = "gpuq", "naive", "naive_planner"
 
