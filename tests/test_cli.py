@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from gpuq.config import ConfigError, use_uvloop
+
 SUBCOMMANDS = ["migrate", "serve", "sweep", "agent", "enqueue", "status", "dev", "bench"]
 
 
@@ -100,6 +102,20 @@ def test_serve_without_tokens_and_bad_settings_are_clear(dsn):
     line = _one_clear_line(gpuq("serve", env={"DATABASE_URL": dsn, "GPUQ_TOKENS": "t",
                                               "GPUQ_LEASE_SECONDS": "soon"}))
     assert "GPUQ_LEASE_SECONDS" in line
+
+
+def test_a_bad_event_loop_setting_is_one_clear_line(dsn):
+    line = _one_clear_line(gpuq("serve", env={"DATABASE_URL": dsn, "GPUQ_TOKENS": "t",
+                                              "GPUQ_EVENT_LOOP": "trio"}))
+    assert "GPUQ_EVENT_LOOP" in line and "uvloop" in line
+
+
+def test_event_loop_choice():
+    assert use_uvloop({}) is True  # uvloop is a dependency: auto picks it
+    assert use_uvloop({"GPUQ_EVENT_LOOP": " UVLOOP "}) is True
+    assert use_uvloop({"GPUQ_EVENT_LOOP": "asyncio"}) is False
+    with pytest.raises(ConfigError, match="GPUQ_EVENT_LOOP"):
+        use_uvloop({"GPUQ_EVENT_LOOP": "fast"})
 
 
 def test_agent_with_a_bad_handler_is_one_clear_line():

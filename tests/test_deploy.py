@@ -42,7 +42,7 @@ SERVER_SETTINGS = {
     "GPUQ_MAX_PAYLOAD", "GPUQ_MAX_BATCH",
 } | set(gpuq_config.DURATIONS.values()) | set(gpuq_config.INTEGERS.values())
 AGENT_SETTINGS = {"GPUQ_URL", "GPUQ_TOKEN", "GPUQ_AGENT_NAME", "GPUQ_KINDS", "GPUQ_CAPACITY", "GPUQ_HANDLER"}
-LOG_SETTINGS = {"GPUQ_LOG_FORMAT", "GPUQ_LOG_LEVEL"}
+LOG_SETTINGS = {"GPUQ_LOG_FORMAT", "GPUQ_LOG_LEVEL", "GPUQ_EVENT_LOOP"}  # every long-running process
 EXTRA_SETTINGS = {"GPUQ_TLS_CERT", "GPUQ_TLS_KEY", "GPUQ_MIGRATIONS", "GPUQ_DEMO_SECONDS"}
 
 # What each process may be given (anything else is a typo or a misplaced secret).

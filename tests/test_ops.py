@@ -13,9 +13,9 @@ from gpuq.agent import Agent
 from tests.helpers import wait_count
 
 
-def _start_serve(dsn, *extra, level="info"):
+def _start_serve(dsn, *extra, level="info", **more_env):
     env = {**os.environ, "DATABASE_URL": dsn, "GPUQ_TOKENS": "ops-token", "GPUQ_LISTEN": "127.0.0.1:0",
-           "GPUQ_LOG_FORMAT": "json", "GPUQ_POLL_SECONDS": "0.5", "GPUQ_LOG_LEVEL": level}
+           "GPUQ_LOG_FORMAT": "json", "GPUQ_POLL_SECONDS": "0.5", "GPUQ_LOG_LEVEL": level, **more_env}
     proc = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "serve", *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     lines: list[str] = []
@@ -59,9 +59,23 @@ async def test_serve_logs_json_lines_with_job_ids_and_exits_0_on_sigterm(dsn, po
     pushed = [e for e in events if e["event"] == "job.pushed"]  # one DEBUG line per job
     assert sorted(e["job_id"] for e in pushed) == sorted(ids) and all(e["level"] == "debug" for e in pushed)
     assert all("timestamp" in e and "level" in e for e in events)
+    assert [e["event_loop"] for e in events if e["event"] == "server.listening"] == ["uvloop"]  # the default
     connected = [e for e in events if e["event"] == "agent.connected"]
     assert connected[0]["agent"].startswith("opsy#") and connected[0]["kinds"] == ["logged"]
     assert not any("ops-token" in line for line in lines)  # tokens are never logged
+
+
+async def test_gpuq_event_loop_asyncio_runs_serve_on_the_standard_loop(dsn):
+    proc, lines, port, ready = _start_serve(dsn, GPUQ_EVENT_LOOP="asyncio")
+    try:
+        assert await anyio.to_thread.run_sync(ready.wait, 20) and port, proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        assert await anyio.to_thread.run_sync(lambda: proc.wait(20)) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    listening = [json.loads(line) for line in lines if '"server.listening"' in line]
+    assert listening[0]["event_loop"] == "asyncio"
 
 
 def test_gpuq_dev_runs_end_to_end_from_a_clean_directory(tmp_path):

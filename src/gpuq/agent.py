@@ -128,7 +128,7 @@ class Agent:
             if not isinstance(welcome, Welcome):
                 raise protocol.ProtocolError(protocol.UNEXPECTED, f"expected welcome, got {welcome}")
             log.info("agent.connected", agent=welcome.agent_id, url=self.url, kinds=list(self.kinds),
-                     capacity=self.capacity)
+                     capacity=self.capacity, event_loop=logs.event_loop_name())
             self._max_frame = welcome.max_payload
             self.connected.set()
             # Outcomes the last connection did not see acked go first.

@@ -46,6 +46,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILURE
 
 
+def run_service(fn: Callable[..., Any], *args: Any) -> Any:
+    """``anyio.run`` for the long-running commands, on the loop ``GPUQ_EVENT_LOOP`` picks."""
+    from gpuq.config import use_uvloop
+
+    return anyio.run(fn, *args, backend_options={"use_uvloop": use_uvloop()})
+
+
 LOGGING_COMMANDS = {"serve", "sweep", "agent", "dev"}
 STDERR_LOG_COMMANDS = {"dev"}  # dev prints progress on stdout
 
@@ -236,7 +243,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             await serve(config, stop=stop, tls=tls)
             tg.cancel_scope.cancel()
 
-    anyio.run(run)
+    run_service(run)
     return 0
 
 
@@ -275,7 +282,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         finally:
             await pool.close()
 
-    anyio.run(run)
+    run_service(run)
     return 0
 
 
@@ -294,7 +301,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         ctx = ssl.create_default_context(cafile=args.ca_file)
     agent = Agent(args.url, args.token, [k.strip() for k in args.kinds.split(",") if k.strip()],
                   args.capacity, handler, args.name, ssl_context=ctx)
-    anyio.run(agent.run_until_signal)
+    run_service(agent.run_until_signal)
     return 0
 
 

@@ -62,3 +62,10 @@ def get(name: str) -> Any:
     A lazy proxy: it follows ``configure()`` even when created at import time.
     """
     return structlog.get_logger(component=name)
+
+
+def event_loop_name() -> str:
+    """The running event loop's package, ``uvloop`` or ``asyncio`` (logged at startup)."""
+    import asyncio
+
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]

@@ -312,7 +312,8 @@ async def serve(
             ) as server:
                 port = _port(server)
                 log.info("server.listening", host=config.listen[0], port=port, tls=tls is not None,
-                         lease_seconds=config.lease_seconds, tokens=len(config.tokens))
+                         lease_seconds=config.lease_seconds, tokens=len(config.tokens),
+                         event_loop=logs.event_loop_name())
                 if on_ready:
                     on_ready(port)
                 await stop.wait()
