@@ -35,7 +35,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI
 
 from gpuq import logs, protocol
-from gpuq.protocol import Ack, Done, Failed, Heartbeat, Hello, Jobs, ServerDrain, Welcome, encode
+from gpuq.protocol import Ack, Failed, Heartbeat, Hello, Jobs, ServerDrain, Welcome, encode
 
 log = logs.get("agent")
 
@@ -173,14 +173,15 @@ class Agent:
         (gather cancels them with it): an anyio task per job cost a third of
         the agent's CPU with short jobs.
         """
+        is_async = inspect.iscoroutinefunction(self.handler)
         if len(jobs) == 1:
-            await self._run_job(jobs[0])
+            await self._run_job(jobs[0], is_async)
         else:
-            await asyncio.gather(*(self._run_job(job) for job in jobs))
+            await asyncio.gather(*(self._run_job(job, is_async) for job in jobs))
 
-    async def _run_job(self, job: Job) -> None:
+    async def _run_job(self, job: Job, is_async: bool) -> None:
         try:
-            if inspect.iscoroutinefunction(self.handler):
+            if is_async:
                 result = await self.handler(job)
             else:
                 result = await anyio.to_thread.run_sync(self.handler, job)
@@ -244,7 +245,7 @@ def _first_leaf(group: BaseExceptionGroup) -> BaseException:
 def _outcome(job: Job, result: Any, max_size: int) -> str:
     """The encoded ``done``, or a permanent ``failed`` for a result the server could not take."""
     try:
-        item = encode(Done(job.id, job.lease_token, result))
+        item = protocol.encode_done(job.id, job.lease_token, result)
     except (TypeError, ValueError) as exc:
         return encode(Failed(job.id, job.lease_token, f"result is not JSON-serializable: {exc}", retryable=False))
     if len(item) > max_size:

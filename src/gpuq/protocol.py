@@ -292,8 +292,8 @@ def encode(msg: ServerMessage | ClientMessage) -> str:
     """One JSON text frame for any message."""
     body: dict[str, Any]
     if isinstance(msg, Done):  # the per-job messages first
-        body = {"type": "done", "id": msg.id, "lease_token": msg.lease_token, "result": msg.result}
-    elif isinstance(msg, Ack):
+        return encode_done(msg.id, msg.lease_token, msg.result)
+    if isinstance(msg, Ack):
         body = {"type": "ack", "accepted": list(msg.accepted), "rejected": list(msg.rejected)}
     elif isinstance(msg, Failed):
         body = {"type": "failed", "id": msg.id, "lease_token": msg.lease_token, "error": msg.error,
@@ -321,7 +321,16 @@ def encode(msg: ServerMessage | ClientMessage) -> str:
         body = {"type": "drain"}
     else:  # pragma: no cover - a programming error, not input
         raise TypeError(f"not a protocol message: {msg!r}")
-    return json.dumps(body, separators=(",", ":"), allow_nan=False)
+    return _to_json(body)
+
+
+def encode_done(job_id: int, lease_token: str, result: Any) -> str:
+    """``encode(Done(...))`` without building the object or a dict: the message an agent sends per job."""
+    return f'{{"type":"done","id":{job_id:d},"lease_token":{_to_json(lease_token)},"result":{_to_json(result)}}}'
+
+
+# One encoder for every frame: json.dumps with any option builds a new one per call.
+_to_json = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
 
 def parse_server(frame: str | bytes) -> ServerMessage:
@@ -386,9 +395,9 @@ def _is_int(value: Any) -> bool:
 
 
 def _job_id(value: Any) -> int:
-    if not _is_int(value) or not 1 <= value <= MAX_JOB_ID:
-        raise ProtocolError(BAD_MESSAGE, f"job id must be a positive 64-bit integer, not {str(value)[:40]!r}")
-    return int(value)
+    if type(value) is int and 0 < value <= MAX_JOB_ID:  # JSON gives exact ints (never bool)
+        return value
+    raise ProtocolError(BAD_MESSAGE, f"job id must be a positive 64-bit integer, not {str(value)[:40]!r}")
 
 
 _CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
