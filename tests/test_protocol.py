@@ -65,3 +65,20 @@ def test_tokens_are_normalized_so_credit_bookkeeping_matches():
     upper = TOKEN.upper()
     msg = protocol.parse_client(json.dumps({"type": "done", "id": 1, "lease_token": upper, "result": 1}), 1000)
     assert msg.lease_token == TOKEN
+
+
+@given(st.integers(1, 2**63 - 1), st.uuids().map(str), json_values)
+def test_encode_done_is_a_done_message_the_server_parses_back(job_id, token, result):
+    frame = protocol.encode_done(job_id, token, result)
+    assert protocol.parse_client(frame, 1 << 20) == Done(job_id, token, result)
+    assert frame == encode(Done(job_id, token, result))
+
+
+@given(st.integers(1, 2**63 - 1), st.uuids().map(str), st.from_regex(protocol.KIND, fullmatch=True),
+       json_values, st.integers(1, 1000), st.booleans())
+def test_job_message_splices_the_payload_text_into_a_valid_job(job_id, token, kind, payload, attempt, spaced):
+    # PostgreSQL's jsonb text has spaces after ':' and ','; any valid JSON text must do.
+    payload_json = json.dumps(payload, ensure_ascii=False, separators=(", ", ": ") if spaced else (",", ":"))
+    frame = protocol.jobs_frame([protocol.job_message(job_id, token, kind, payload_json, attempt)] * 2)
+    parsed = protocol.parse_server(frame)
+    assert parsed.jobs == (protocol.JobMessage(job_id, token, kind, payload, attempt),) * 2

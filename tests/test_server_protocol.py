@@ -239,7 +239,7 @@ async def test_a_results_frame_with_one_bad_outcome_changes_nothing(dsn, pool):
 
 
 async def test_a_pushed_job_has_exactly_the_documented_fields(dsn, pool):
-    """The job objects are JSON built by PostgreSQL in the lease: same fields, same values."""
+    """The pushed job splices PostgreSQL's JSON text of the payload: same fields, same values."""
     payload = {"text": "héllo \"quoted\" \\ ☃", "n": [1, 2.5, None, True], "big": 2**62}
     async with running_server(dsn) as srv:
         ws, _ = await _raw_agent(srv)

@@ -32,7 +32,7 @@ import asyncpg
 
 from gpuq import db, logs, metrics, queue
 from gpuq.config import ServerConfig
-from gpuq.protocol import Ack, Done, Failed, ServerDrain, encode, jobs_frame
+from gpuq.protocol import Ack, Done, Failed, ServerDrain, encode, job_message, jobs_frame
 from gpuq.queue import Backoff
 
 log = logs.get("dispatcher")
@@ -264,7 +264,8 @@ class Dispatcher:
                 session.inflight[j.id] = (j.lease_token, j.kind)
                 if debug:
                     log.debug("job.pushed", job_id=j.id, agent=sid, kind=j.kind, attempt=j.attempt)
-            session.push(jobs_frame([j.message for j in batch]))
+            session.push(jobs_frame([job_message(j.id, j.lease_token, j.kind, j.payload_json, j.attempt)
+                                     for j in batch]))
         metrics.INFLIGHT.set(sum(len(s.inflight) for s in self.sessions.values()))
 
     # -- shutdown --------------------------------------------------------

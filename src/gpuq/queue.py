@@ -40,13 +40,13 @@ class LeasedJob:
     lease_token: str
     priority: int
     leased_by: str
-    # The job as the protocol pushes it ({id, lease_token, kind, payload,
-    # attempt}), JSON built by PostgreSQL: serve never decodes a payload.
-    message: str
+    # The payload as PostgreSQL's JSON text: serve splices it into the push
+    # (protocol.job_message) and never decodes or re-encodes it.
+    payload_json: str
 
     @property
     def payload(self) -> Any:
-        return json.loads(self.message)["payload"]
+        return json.loads(self.payload_json)
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,8 +193,7 @@ async def _enqueue_dedup(db: DB, jobs: Sequence[NewJob]) -> list[int]:
 # reclaimed row whose attempts are used up goes dead instead.
 # The UPDATE finds the locked rows by ctid (a TID scan: no primary-key descent
 # per row, which would deepen with history); a row we hold locked cannot move.
-_MESSAGE = ("json_build_object('id', j.id, 'lease_token', j.lease_token, 'kind', j.kind, "
-            "'payload', j.payload, 'attempt', j.attempts)::text AS message")
+_PAYLOAD = "j.payload::text AS payload_json"  # text, not jsonb: the pool decodes jsonb
 _EXHAUSTED = "(a.phase = 2 AND j.attempts >= j.max_attempts)"
 _LEASE = f"""
 WITH picked AS (
@@ -235,7 +234,7 @@ SET status = CASE WHEN {_EXHAUSTED} THEN 'dead'::gpuq.job_status ELSE 'leased' E
 FROM assigned a
 WHERE j.ctid = a.ctid
 RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token,
-          j.priority, j.leased_by, {_MESSAGE}, j.status, a.phase, a.slot
+          j.priority, j.leased_by, {_PAYLOAD}, j.status, a.phase, a.slot
 """  # noqa: S608 (composed of module constants only)
 
 
@@ -337,7 +336,7 @@ def plan_indexes(plan: dict[str, Any]) -> set[str]:
 
 def _leased(r: Any) -> LeasedJob:
     return LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
-                     r["leased_by"], r["message"])
+                     r["leased_by"], r["payload_json"])
 
 
 # --------------------------------------------------------------------------
