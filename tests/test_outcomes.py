@@ -1,5 +1,6 @@
 """Completion, failure, heartbeat, release and cancel: all fenced by the lease."""
 
+import json
 from datetime import timedelta
 
 from gpuq import queue
@@ -151,3 +152,41 @@ async def test_completer_isolates_an_outcome_the_database_refuses(pool):
     assert {i for a in acks for i in a["rejected"]} == {jobs[0].id}
     assert await pool.fetchval("SELECT status::text FROM gpuq.jobs WHERE id = $1", jobs[1].id) == "done"
     assert await pool.fetchval("SELECT status::text FROM gpuq.jobs WHERE id = $1", jobs[0].id) == "leased"
+
+
+async def _explain(conn, statement, *args):
+    """EXPLAIN (ANALYZE, BUFFERS) of a statement, rolled back: (buffers, indexes scanned)."""
+    tx = conn.transaction()
+    await tx.start()
+    try:
+        raw = await conn.fetchval("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statement, *args)
+    finally:
+        await tx.rollback()
+    plan = json.loads(raw)[0]
+    return queue.plan_buffers(plan), queue.plan_indexes(plan)
+
+
+async def test_outcomes_and_heartbeats_cost_o_batch_however_many_jobs_are_leased(conn):
+    """Statistics say nothing is leased (ANALYZE ran before the leases); 4,000 are.
+
+    Fenced by a plain status = 'leased', the planner read every leased row
+    from jobs_leased_idx to settle 10 jobs; by id it reads about 10 rows.
+    """
+    await add_pending(conn, 4000)
+    await conn.execute("ANALYZE gpuq.jobs")
+    jobs = []
+    while len(jobs) < 4000:
+        jobs += (await queue.lease_slots(conn, ["train"], ["a#1"] * 256, LEASE)).jobs
+    ten = jobs[:10]
+    ids, tokens = [j.id for j in ten], [j.lease_token for j in ten]
+    b = Backoff()
+    for statement, args in ((queue._COMPLETE_MANY, (ids, tokens, [None] * 10)),
+                            (queue._FAIL_MANY, (ids, tokens, ["x"] * 10, [True] * 10, b.base_seconds,
+                                                b.cap_seconds, b.jitter)),
+                            (queue._HEARTBEAT, (ids, "a#1", LEASE)),
+                            (queue._RELEASE_IDS, (ids, "released"))):
+        await _explain(conn, statement, *args)  # warm the plan and the caches
+        buffers, indexes = await _explain(conn, statement, *args)
+        assert "jobs_leased_idx" not in indexes and "jobs_pkey" in indexes, (statement, indexes)
+        assert buffers < 300, (statement, buffers)  # 4,000 leased rows span ~60 heap pages + index
+

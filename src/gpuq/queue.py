@@ -343,11 +343,17 @@ def _leased(r: Any) -> LeasedJob:
 # Outcomes: fenced by (status = 'leased', lease_token)
 # --------------------------------------------------------------------------
 
+# Outcomes, heartbeats and releases find their rows by id, in the primary key:
+# O(batch). Their status test is written status::text = 'leased' on purpose.
+# Written status = 'leased' it matches jobs_leased_idx's predicate, and with a
+# queue's always-stale statistics ("no row is leased") the planner prefers to
+# read every leased row from that index and hash them: completing 110 jobs
+# with 20,000 leased took 6.6 ms that way, 0.76 ms by id.
 _COMPLETE_MANY = """
 UPDATE gpuq.jobs j
 SET status = 'done', result = d.result::jsonb, finished_at = now(), lease_expires_at = NULL
 FROM unnest($1::bigint[], $2::uuid[], $3::text[]) AS d(id, token, result)
-WHERE j.id = d.id AND j.status = 'leased' AND j.lease_token = d.token
+WHERE j.id = d.id AND j.status::text = 'leased' AND j.lease_token = d.token
 RETURNING j.id
 """
 
@@ -389,7 +395,7 @@ SET status = CASE WHEN f.retryable AND j.attempts < j.max_attempts
     finished_at = CASE WHEN f.retryable AND j.attempts < j.max_attempts THEN NULL ELSE now() END,
     last_error = f.error, lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
 FROM f
-WHERE j.id = f.id AND j.status = 'leased' AND j.lease_token = f.token
+WHERE j.id = f.id AND j.status::text = 'leased' AND j.lease_token = f.token
 RETURNING j.id, j.status, j.run_at
 """
 
@@ -427,7 +433,7 @@ async def fail(db: DB, job_id: int, token: str, error: str, retryable: bool = Tr
 _HEARTBEAT = """
 UPDATE gpuq.jobs
 SET lease_expires_at = now() + make_interval(secs => $3)
-WHERE id = ANY($1::bigint[]) AND status = 'leased' AND leased_by = $2
+WHERE id = ANY($1::bigint[]) AND status::text = 'leased' AND leased_by = $2  -- by id: see _COMPLETE_MANY
 RETURNING id
 """
 
@@ -463,7 +469,7 @@ _RELEASE_AGENT = _BACK_TO_PENDING.format(
     select="SELECT id FROM gpuq.jobs WHERE status = 'leased' AND leased_by = $1 FOR UPDATE"
 )
 _RELEASE_IDS = _BACK_TO_PENDING.format(
-    select="SELECT id FROM gpuq.jobs WHERE status = 'leased' AND id = ANY($1::bigint[]) FOR UPDATE"
+    select="SELECT id FROM gpuq.jobs WHERE status::text = 'leased' AND id = ANY($1::bigint[]) FOR UPDATE"  # by id
 )
 _RECLAIM_EXPIRED = _BACK_TO_PENDING.format(
     select="SELECT id FROM gpuq.jobs WHERE status = 'leased' AND lease_expires_at < now() "
