@@ -144,8 +144,8 @@ async def test_completer_isolates_an_outcome_the_database_refuses(pool):
 
     d = Dispatcher(pool, server_config("unused"))
     session = AgentSession("s", frozenset({"train"}), 2, push=sent.append, close=close, id="s#1")
-    d.completer.add_done(session, Done(jobs[0].id, jobs[0].lease_token, {"t": "nul\x00"}), "train")
-    d.completer.add_done(session, Done(jobs[1].id, jobs[1].lease_token, {"t": "fine"}), "train")
+    d.completer.done += [(session, Done(jobs[0].id, jobs[0].lease_token, {"t": "nul\x00"}), "train"),
+                         (session, Done(jobs[1].id, jobs[1].lease_token, {"t": "fine"}), "train")]
     await d.completer.flush()
     acks = [_json.loads(f) for f in sent]
     assert {i for a in acks for i in a["accepted"]} == {jobs[1].id}

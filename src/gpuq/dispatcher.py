@@ -104,26 +104,26 @@ class Dispatcher:
         session.inflight.clear()
 
     def submit(self, session: AgentSession, outcomes: Iterable[Done | Failed]) -> None:
-        for msg in outcomes:
-            kind = self._settle(session, msg.id, msg.lease_token)
-            if isinstance(msg, Done):
-                self.completer.add_done(session, msg, kind)
-            else:
-                self.completer.add_failed(session, msg, kind)
-
-    def _settle(self, session: AgentSession, job_id: int, token: str) -> str:
-        """Free the credit of a reported job; its kind (for metrics), or '?' if not ours.
+        """Free the credit of each reported job and queue its outcome for the database.
 
         An outcome for a job this connection was not given (an agent resending
         after a reconnect, or a stale one) still goes to the database: the
-        lease token decides there, and the agent gets an ack either way.
+        lease token decides there, and the agent gets an ack either way. Its
+        kind, for metrics, is then '?'.
         """
-        held = session.inflight.get(job_id)
-        if held is None or held[0] != token:
-            return "?"
-        del session.inflight[job_id]
-        self._credit_freed(session)
-        return held[1]
+        inflight, freed = session.inflight, False
+        done, failed = self.completer.done, self.completer.failed
+        for msg in outcomes:
+            held = inflight.get(msg.id)
+            if held is not None and held[0] == msg.lease_token:
+                del inflight[msg.id]
+                freed, kind = True, held[1]
+            else:
+                kind = "?"
+            (done if isinstance(msg, Done) else failed).append((session, msg, kind))
+        self.completer.wake()
+        if freed:
+            self._credit_freed(session)
 
     def set_draining(self, session: AgentSession) -> None:
         session.draining = True
@@ -304,18 +304,14 @@ class Completer:
     def __init__(self, dispatcher: Dispatcher, backoff: Backoff):
         self.d = dispatcher
         self.backoff = backoff
-        self._done: list[tuple[AgentSession, Done, str]] = []
-        self._failed: list[tuple[AgentSession, Failed, str]] = []
+        # Outcomes waiting for the database, appended by Dispatcher.submit (then wake()).
+        self.done: list[tuple[AgentSession, Done, str]] = []
+        self.failed: list[tuple[AgentSession, Failed, str]] = []
         self.orphans: list[int] = []  # leased for an agent that left before the push
         self._wake = anyio.Event()
         self._lock = anyio.Lock()
 
-    def add_done(self, session: AgentSession, msg: Done, kind: str) -> None:
-        self._done.append((session, msg, kind))
-        self._wake.set()
-
-    def add_failed(self, session: AgentSession, msg: Failed, kind: str) -> None:
-        self._failed.append((session, msg, kind))
+    def wake(self) -> None:
         self._wake.set()
 
     async def run(self) -> None:
@@ -336,7 +332,7 @@ class Completer:
 
     async def flush(self) -> None:
         async with self._lock:
-            while self._done or self._failed or self.orphans:
+            while self.done or self.failed or self.orphans:
                 try:
                     await self._flush_once()
                 except asyncpg.DataError:
@@ -345,14 +341,14 @@ class Completer:
                     await self._flush_singly()
 
     async def _flush_singly(self) -> None:
-        done, failed = self._done[:1000], self._failed[:1000]
-        del self._done[:len(done)], self._failed[:len(failed)]
+        done, failed = self.done[:1000], self.failed[:1000]
+        del self.done[:len(done)], self.failed[:len(failed)]
         for item in done:
-            self._done.append(item)
-            await self._flush_or_refuse(item, self._done)
+            self.done.append(item)
+            await self._flush_or_refuse(item, self.done)
         for item in failed:
-            self._failed.append(item)
-            await self._flush_or_refuse(item, self._failed)
+            self.failed.append(item)
+            await self._flush_or_refuse(item, self.failed)
 
     async def _flush_or_refuse(self, item: Any, pending: list[Any]) -> None:
         try:
@@ -365,7 +361,7 @@ class Completer:
             session.push(encode(Ack((), (msg.id,))))
 
     async def _flush_once(self) -> None:
-        done, failed, orphans = self._done[:1000], self._failed[:1000], self.orphans[:1000]
+        done, failed, orphans = self.done[:1000], self.failed[:1000], self.orphans[:1000]
         accepted: set[int] = set()
         outcomes: dict[int, queue.FailOutcome] = {}
         if done:
@@ -376,7 +372,7 @@ class Completer:
         if orphans:
             await queue.release_jobs(self.d.pool, orphans)
         # Committed: now take them off the queue and tell the agents.
-        del self._done[:len(done)], self._failed[:len(failed)], self.orphans[:len(orphans)]
+        del self.done[:len(done)], self.failed[:len(failed)], self.orphans[:len(orphans)]
         acks: dict[AgentSession, tuple[list[int], list[int]]] = {}
         done_kinds: Counter[str | None] = Counter()
         for session, m, kind in done:

@@ -12,6 +12,7 @@ Every value travels as a bind parameter; no SQL is built from input.
 from __future__ import annotations
 
 import json
+import operator
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -263,13 +264,15 @@ async def lease_slots(db: DB, kinds: Sequence[str], slots: Sequence[str], lease_
     if n <= 0 or not kinds:
         return LeaseResult([])
     rows = await db.fetch(_LEASE, list(kinds), n, list(slots), float(lease_seconds))
-    leased = [r for r in rows if r["status"] == "leased"]
     # UPDATE ... RETURNING does not keep the pick order: restore the slots' order
     # (pending by priority and id, then reclaimed ones by expiry).
-    jobs = [_leased(r) for r in sorted(leased, key=lambda r: r["slot"])]
-    picked = sum(1 for r in rows if r["phase"] == 1)
-    reclaimed = len(jobs) - picked
-    return LeaseResult(jobs, reclaimed, len(rows) - len(jobs), phase2_ran=picked < n)
+    rows.sort(key=_BY_SLOT)
+    jobs = [_leased(r) for r in rows if r["status"] == "leased"]  # the others went dead
+    picked = sum(r["phase"] == 1 for r in rows)
+    return LeaseResult(jobs, len(jobs) - picked, len(rows) - len(jobs), phase2_ran=picked < n)
+
+
+_BY_SLOT = operator.itemgetter("slot")
 
 
 # Planner statistics of a queue are always stale: ANALYZE saw 0 pending rows,
