@@ -634,4 +634,8 @@ async def status_counts(db: DB) -> StatusCounts:
 
 def _json(value: Any) -> str | None:
     """JSON text for a jsonb array element (asyncpg would read a list as a nested array)."""
-    return None if value is None else json.dumps(value, separators=(",", ":"))
+    return None if value is None else _to_json(value)
+
+
+# One encoder for every payload and result: json.dumps with any option builds a new one per call.
+_to_json = json.JSONEncoder(separators=(",", ":")).encode
