@@ -68,9 +68,10 @@ async def test_one_lease_statement_serves_every_agent_of_a_group(dsn, pool):
     from tests.test_agents import _next_of, _raw_agent
     from tests.test_http import _get
 
+    def bucket(b):
+        return metrics.REGISTRY.get_sample_value("gpuq_lease_batch_size_bucket", {"le": b}) or 0.0
+
     def statements(le):  # lease statements that returned 1..le jobs (polls lease 0 now and then)
-        def bucket(b):
-            return metrics.REGISTRY.get_sample_value("gpuq_lease_batch_size_bucket", {"le": b}) or 0.0
         return bucket(le) - bucket("0.0")
 
     async with running_server(dsn) as srv:
@@ -80,6 +81,15 @@ async def test_one_lease_statement_serves_every_agent_of_a_group(dsn, pool):
             return json.loads((await _get(srv.http + "/status"))[2])["agents_connected"] == 4
 
         await wait_for(all_connected)
+        # A lease pass that began before the last agent registered leases for fewer agents (and
+        # on a loaded machine its statement can run after the insert). Passes run one at a time:
+        # once two more lease statements have come back empty, the next pass sees all four.
+        empty = bucket("0.0")
+
+        async def settled():
+            return bucket("0.0") >= empty + 2
+
+        await wait_for(settled)
         small, total = statements("128.0"), statements("+Inf")
         await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'embed' FROM generate_series(1, 256)")
         for ws in agents:
