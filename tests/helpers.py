@@ -72,3 +72,13 @@ async def wait_status(db: Any, job_id: int, status: str, timeout: float = 20.0) 
         return await status_of(db, job_id) == status
 
     await wait_for(reached, timeout)
+
+
+def sets(event: Any) -> Any:
+    """A handler that sets ``event``. Async, so it runs on the loop: a sync handler
+    runs in a worker thread, and an anyio/asyncio event must not be set from one."""
+
+    async def handle(job: Any) -> None:
+        event.set()
+
+    return handle

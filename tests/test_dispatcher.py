@@ -5,7 +5,7 @@ import json
 import anyio
 
 from tests.harness import running_server
-from tests.helpers import wait_count
+from tests.helpers import sets, wait_count
 
 
 async def test_jobs_inserted_while_not_listening_are_delivered_after_reconnect(dsn, pool):
@@ -32,7 +32,7 @@ async def test_jobs_inserted_while_not_listening_are_delivered_after_reconnect(d
 async def test_polling_covers_a_lost_notification(dsn, pool):
     got = anyio.Event()
     async with running_server(dsn, poll_seconds=0.3) as srv:
-        await srv.agent(["embed"], 1, lambda job: got.set())
+        await srv.agent(["embed"], 1, sets(got))
         await anyio.sleep(0.2)
         await pool.execute("ALTER TABLE gpuq.jobs DISABLE TRIGGER jobs_notify_inserted")
         await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('embed')")
@@ -97,3 +97,30 @@ async def test_one_lease_statement_serves_every_agent_of_a_group(dsn, pool):
         assert statements("+Inf") - total >= 1 and statements("128.0") == small  # no lease of <= 128
         for ws in agents:
             await ws.close()
+
+
+async def test_jobs_leased_for_an_agent_that_left_during_the_lease_go_back_at_once(pool):
+    """The agent disconnected while its lease statement ran: nobody can take the push.
+
+    Found by a flaky test: the jobs were queued as orphans but nothing woke the
+    completer that releases them, so they waited for the next outcome of any
+    agent, or for their lease to expire (30 s here).
+    """
+    from gpuq import queue
+    from gpuq.dispatcher import Dispatcher
+    from tests.harness import server_config
+    from tests.helpers import add_pending, count, wait_for
+
+    async with pool.acquire() as conn:
+        await add_pending(conn, 2)
+        jobs = (await queue.lease(conn, ["train"], 2, "gone#1", 30.0)).jobs
+    d = Dispatcher(pool, server_config("unused"))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(d.completer.run)
+        d._deliver(jobs)  # "gone#1" is no longer among the dispatcher's sessions
+
+        async def released():
+            return await count(pool, "pending") == 2
+
+        await wait_for(released, timeout=5)
+        tg.cancel_scope.cancel()

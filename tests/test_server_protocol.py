@@ -9,6 +9,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from gpuq import protocol, server
 from tests.harness import TOKEN, running_server
+from tests.helpers import sets
 from tests.test_agents import _next_of, _raw_agent
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -86,7 +87,7 @@ async def test_oversized_and_binary_frames_close_with_documented_codes(dsn, pool
         assert await _closed_with(ws) == protocol.CLOSE_UNSUPPORTED_DATA
         # A healthy agent is still served by the same server.
         done = anyio.Event()
-        await srv.agent(["embed"], 1, lambda job: done.set())
+        await srv.agent(["embed"], 1, sets(done))
         await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('embed')")
         with anyio.fail_after(5):
             await done.wait()

@@ -13,6 +13,7 @@ from gpuq.agent import Agent
 from gpuq.config import ConfigError
 from gpuq.server import serve, ssl_context
 from tests.harness import TOKEN, server_config
+from tests.helpers import sets
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 
@@ -37,7 +38,7 @@ async def test_agents_over_wss_and_status_over_https(dsn, pool, cert):
                                     on_ready=lambda p: (port.append(p), ready.set())))
         with anyio.fail_after(10):
             await ready.wait()
-        agent = Agent(f"wss://127.0.0.1:{port[0]}/agent", TOKEN, ["tls"], 1, lambda job: done.set(),
+        agent = Agent(f"wss://127.0.0.1:{port[0]}/agent", TOKEN, ["tls"], 1, sets(done),
                       "secure", ssl_context=client_ctx)
         tg.start_soon(agent.run)
         await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('tls')")

@@ -259,6 +259,7 @@ class Dispatcher:
             session = self.sessions.get(sid)
             if session is None:  # left between the lease and now: give the jobs back
                 self.completer.orphans.extend(j.id for j in batch)
+                self.completer.wake()
                 continue
             for j in batch:
                 session.inflight[j.id] = (j.lease_token, j.kind)
