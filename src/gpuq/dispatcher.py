@@ -120,7 +120,10 @@ class Dispatcher:
                 freed, kind = True, held[1]
             else:
                 kind = "?"
-            (done if isinstance(msg, Done) else failed).append((session, msg, kind))
+            if isinstance(msg, Done):
+                done.append((session, msg, kind))
+            else:
+                failed.append((session, msg, kind))
         self.completer.wake()
         if freed:
             self._credit_freed(session)
