@@ -4,7 +4,7 @@ import asyncio
 import json
 
 from gpuq import queue
-from tests.helpers import add_pending, expire_leases, job, seed_history
+from tests.helpers import add_pending, expire_leases, job, seed_history, wait_for
 
 LEASE = 30.0
 
@@ -199,3 +199,39 @@ async def test_every_gpuq_connection_plans_with_the_lease_guard(pool, conn):
         assert await pool.fetchval("SHOW enable_seqscan") == "off"
         assert await pool.fetchval("SHOW plan_cache_mode") == "force_generic_plan"
     assert await conn.fetchval("SHOW enable_bitmapscan") == "off"
+
+
+async def test_autovacuum_clears_the_dead_entries_leases_leave_however_large_the_history(conn):
+    """Migration 0003: autovacuum after 20,000 dead row versions, not after 20 % of the table.
+
+    Each lease leaves its rows' jobs_pending_idx entries dead in front of the
+    live ones, and the next lease walks them until a vacuum. With 400,000 done
+    rows the default would wait for 84,000 dead versions; 20,000 jobs leased
+    and completed leave 40,000 (fewer once pruning reclaims some), so only the
+    table's own threshold of 20,000 can start it.
+    """
+    await seed_history(conn, 400_000)
+    await add_pending(conn, 21_000)
+    # Flush this backend's insert counts first, or they arrive after the VACUUM
+    # and start an insert-triggered autovacuum (the 420,000 inserted rows).
+    await conn.execute("SELECT pg_stat_force_next_flush()")
+    await conn.execute("SELECT 1")
+    await conn.execute("VACUUM ANALYZE gpuq.jobs")
+    clean, _, _ = await _phase1_buffers(conn, n=256)
+    runs = "SELECT autovacuum_count FROM pg_stat_user_tables WHERE relid = 'gpuq.jobs'::regclass"
+    before = await conn.fetchval(runs)
+    finished = 0
+    while finished < 20_000:
+        jobs = (await queue.lease(conn, ["train"], 256, "a#1", LEASE)).jobs
+        finished += len(await queue.complete_many(conn, [(j.id, j.lease_token, None) for j in jobs]))
+    dirty, _, _ = await _phase1_buffers(conn, n=256)
+    assert dirty > clean + 20, (clean, dirty)  # the dead prefix is there to clear
+
+    async def vacuumed():
+        await conn.execute("SELECT pg_stat_clear_snapshot()")
+        return await conn.fetchval(runs) > before
+
+    # The test cluster looks every second (devdb); a server with the default naptime, every minute.
+    await wait_for(vacuumed, timeout=90, interval=0.5)
+    after, _, _ = await _phase1_buffers(conn, n=256)
+    assert after <= clean + 8, (clean, dirty, after)
