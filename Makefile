@@ -17,11 +17,12 @@ dev: $(STAMP)
 	$(BIN)/gpuq dev
 
 # The suite includes tiny runs of every bench, so the bench extra is installed too.
-# Lint, then the whole suite on a throwaway PostgreSQL cluster (or $$DATABASE_URL,
-# whose gpuq schema the tests drop and recreate). pytest's exit code 5 ("no
-# tests collected") is non-zero, so make fails on it like on any failure.
+# Lint and type-check, then the whole suite on a throwaway PostgreSQL cluster (or
+# $$DATABASE_URL, whose gpuq schema the tests drop and recreate). pytest's exit
+# code 5 ("no tests collected") is non-zero, so make fails on it like on any failure.
 test: $(STAMP)
 	$(BIN)/ruff check src tests
+	$(BIN)/mypy src/gpuq
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)

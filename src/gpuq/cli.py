@@ -422,7 +422,7 @@ def _fetch_server_status(base: str) -> dict[str, Any]:
 def render_status(body: dict[str, Any]) -> str:
     live = body["live"]
     kinds = sorted({k for by_kind in live.values() for k in by_kind})
-    rows = [("kind", "pending", "leased", "scheduled")]
+    rows: list[tuple[str, ...]] = [("kind", "pending", "leased", "scheduled")]
     rows += [(k, *(str(live[s].get(k, 0)) for s in ("pending", "leased", "scheduled"))) for k in kinds]
     rows.append(("total", *(str(body["totals"][s]) for s in ("pending", "leased", "scheduled"))))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]

@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 INSTALL_HINT = (
     "PostgreSQL server binaries (initdb, pg_ctl, postgres) not found. "
@@ -239,7 +240,7 @@ class Cluster:
             return ""
 
 
-def _drop_privileges(user: str | None) -> dict[str, object]:
+def _drop_privileges(user: str | None) -> dict[str, Any]:
     if user is None:
         return {}
     pw = pwd.getpwnam(user)

@@ -347,12 +347,12 @@ class Completer:
     async def _flush_singly(self) -> None:
         done, failed = self.done[:1000], self.failed[:1000]
         del self.done[:len(done)], self.failed[:len(failed)]
-        for item in done:
-            self.done.append(item)
-            await self._flush_or_refuse(item, self.done)
-        for item in failed:
-            self.failed.append(item)
-            await self._flush_or_refuse(item, self.failed)
+        for outcome in done:
+            self.done.append(outcome)
+            await self._flush_or_refuse(outcome, self.done)
+        for failure in failed:
+            self.failed.append(failure)
+            await self._flush_or_refuse(failure, self.failed)
 
     async def _flush_or_refuse(self, item: Any, pending: list[Any]) -> None:
         try:
@@ -388,9 +388,9 @@ class Completer:
                 metrics.RESULTS_REJECTED.inc(n)
             else:
                 metrics.JOBS_DONE.labels(kind=done_kind).inc(n)
-        for session, m, kind in failed:
-            out = outcomes.get(m.id)
-            acks.setdefault(session, ([], []))[0 if out else 1].append(m.id)
+        for session, f, kind in failed:
+            out = outcomes.get(f.id)
+            acks.setdefault(session, ([], []))[0 if out else 1].append(f.id)
             if out:
                 metrics.JOBS_FAILED.labels(kind=kind, outcome=out.status).inc()
             else:

@@ -99,7 +99,7 @@ class AgentServer:
         try:
             with anyio.fail_after(2):
                 await self.d.pool.fetchval("SELECT 1")
-        except (TimeoutError, *db.RETRYABLE_ERRORS):
+        except db.RETRYABLE_ERRORS + (TimeoutError,):
             db_ok = False
         ok = db_ok and self.d.listening and not self.d.stopping
         return ok, {"ok": ok, "database": db_ok, "listening": self.d.listening, "draining": self.d.stopping}

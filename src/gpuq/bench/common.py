@@ -13,7 +13,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -94,7 +94,7 @@ def guarded(run: Callable[[], int]) -> int:
 
 def run_bench(
     args: argparse.Namespace,
-    body: Callable[[str], Awaitable[dict[str, Any]]],
+    body: Callable[[str], Coroutine[Any, Any, dict[str, Any]]],
     after: Callable[[dict[str, Any]], None] | None = None,
 ) -> int:
     """Run ``body(dsn)`` on the target database and emit its result; return the exit code.
