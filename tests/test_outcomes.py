@@ -1,6 +1,5 @@
 """Completion, failure, heartbeat, release and cancel: all fenced by the lease."""
 
-import json
 from datetime import timedelta
 
 from gpuq import queue
@@ -155,14 +154,8 @@ async def test_completer_isolates_an_outcome_the_database_refuses(pool):
 
 
 async def _explain(conn, statement, *args):
-    """EXPLAIN (ANALYZE, BUFFERS) of a statement, rolled back: (buffers, indexes scanned)."""
-    tx = conn.transaction()
-    await tx.start()
-    try:
-        raw = await conn.fetchval("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statement, *args)
-    finally:
-        await tx.rollback()
-    plan = json.loads(raw)[0]
+    """(buffers, indexes scanned) of one rolled-back EXPLAIN ANALYZE run."""
+    plan = await queue.explain(conn, statement, *args)
     return queue.plan_buffers(plan), queue.plan_indexes(plan)
 
 

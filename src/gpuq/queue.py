@@ -292,15 +292,19 @@ async def explain_lease(conn: Any, kinds: Sequence[str], n: int) -> dict[str, An
     """EXPLAIN (ANALYZE, BUFFERS) of the lease statement, rolled back: the plan as a dict.
 
     For the history-independence checks in tests and ``gpuq bench lease-history``.
+    """
+    return await explain(conn, _LEASE, list(kinds), n, ["explain"] * n, 30.0)
+
+
+async def explain(conn: Any, statement: str, *args: Any) -> dict[str, Any]:
+    """EXPLAIN (ANALYZE, BUFFERS) of any statement with ``args``, rolled back: the plan as a dict.
+
     ``conn`` must be a Connection (the statement runs inside a transaction).
     """
     tx = conn.transaction()
     await tx.start()
     try:
-        raw = await conn.fetchval(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + _LEASE,
-            list(kinds), n, ["explain"] * n, 30.0,
-        )
+        raw = await conn.fetchval("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statement, *args)
     finally:
         await tx.rollback()
     plan = (json.loads(raw) if isinstance(raw, str) else raw)[0]
