@@ -19,6 +19,7 @@ from typing import Any
 import anyio
 
 from gpuq import __version__, logs
+from gpuq.config import run_service
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -44,13 +45,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"gpuq: error: {message}", file=sys.stderr)
         return EXIT_FAILURE
-
-
-def run_service(fn: Callable[..., Any], *args: Any) -> Any:
-    """``anyio.run`` for the long-running commands, on the loop ``GPUQ_EVENT_LOOP`` picks."""
-    from gpuq.config import use_uvloop
-
-    return anyio.run(fn, *args, backend_options={"use_uvloop": use_uvloop()})
 
 
 LOGGING_COMMANDS = {"serve", "sweep", "agent", "dev"}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +135,14 @@ def use_uvloop(env: dict[str, str] | None = None) -> bool:
                               "(pip install uvloop)") from None
         return False
     return True
+
+
+def run_service(fn: Callable[..., Any], *args: Any) -> Any:
+    """``anyio.run`` for the long-running commands (serve, sweep, agent, dev), on the loop
+    ``GPUQ_EVENT_LOOP`` picks."""
+    import anyio
+
+    return anyio.run(fn, *args, backend_options={"use_uvloop": use_uvloop()})
 
 
 def parse_tokens(text: str) -> frozenset[str]:

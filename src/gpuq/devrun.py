@@ -19,7 +19,7 @@ import anyio
 
 from gpuq import devdb, logs, metrics, queue
 from gpuq.agent import Agent
-from gpuq.config import ServerConfig, use_uvloop
+from gpuq.config import ServerConfig, run_service
 from gpuq.db import create_pool
 from gpuq.demo import handle
 from gpuq.migrate import migrate
@@ -35,7 +35,7 @@ def run_dev(args: argparse.Namespace) -> int:
     dsn = cluster.ensure_started()
     print(f"PostgreSQL ready at {dsn}", flush=True)
     try:
-        anyio.run(_run, args, dsn, backend_options={"use_uvloop": use_uvloop()})
+        run_service(_run, args, dsn)
     finally:
         cluster.stop()
         print("PostgreSQL stopped (data kept for the next run)", flush=True)
