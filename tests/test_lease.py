@@ -3,7 +3,7 @@
 import asyncio
 import json
 
-from gpuq import queue
+from gpuq import plans, queue
 from tests.helpers import add_pending, expire_leases, job, seed_history, wait_for
 
 LEASE = 30.0
@@ -11,10 +11,10 @@ LEASE = 30.0
 
 async def _phase1_buffers(conn, kinds=("train",), n=32):
     await conn.execute("ANALYZE gpuq.jobs")
-    await queue.explain_lease(conn, kinds, n)  # warm the caches and the plan
-    plan = await queue.explain_lease(conn, kinds, n)
-    return (queue.plan_buffers(plan, reads_only=True), queue.plan_buffers(plan),
-            queue.plan_indexes(plan))
+    await plans.explain_lease(conn, kinds, n)  # warm the caches and the plan
+    plan = await plans.explain_lease(conn, kinds, n)
+    return (plans.plan_buffers(plan, reads_only=True), plans.plan_buffers(plan),
+            plans.plan_indexes(plan))
 
 
 async def test_seed_regression_lease_ignores_done_history(conn):
@@ -73,8 +73,8 @@ async def test_phase2_runs_only_when_phase1_is_short(conn):
     fresh = await add_pending(conn, 4)
     # One statement does both phases; with the batch full, the scan of expired
     # leases is never started (its LIMIT is 0).
-    assert _expired_scan_loops(await queue.explain_lease(conn, ["train"], 4)) == 0
-    assert _expired_scan_loops(await queue.explain_lease(conn, ["train"], 5)) == 1
+    assert _expired_scan_loops(await plans.explain_lease(conn, ["train"], 4)) == 0
+    assert _expired_scan_loops(await plans.explain_lease(conn, ["train"], 5)) == 1
 
     full = await queue.lease(conn, ["train"], 4, "new#1", LEASE)
     assert [j.id for j in full.jobs] == fresh and not full.phase2_ran
@@ -183,10 +183,10 @@ async def test_stale_statistics_cannot_turn_the_lease_into_a_scan_of_pending(con
     await conn.execute("ANALYZE gpuq.jobs")
     await add_pending(conn, 20_000)
     await conn.execute("SET random_page_cost = 40; SET effective_cache_size = '8kB'")
-    plan = await queue.explain_lease(conn, ["train"], 64)
+    plan = await plans.explain_lease(conn, ["train"], 64)
     text = json.dumps(plan)
     assert "Bitmap Heap Scan" not in text and "Seq Scan" not in text
-    assert queue.plan_buffers(plan, reads_only=True) < 150  # 20k pending rows span ~150+ pages
+    assert plans.plan_buffers(plan, reads_only=True) < 150  # 20k pending rows span ~150+ pages
     got = await queue.lease(conn, ["train"], 64, "a#1", LEASE)
     assert len(got.jobs) == 64
 
@@ -219,13 +219,19 @@ async def test_autovacuum_clears_the_dead_entries_leases_leave_however_large_the
     await conn.execute("VACUUM ANALYZE gpuq.jobs")
     clean, _, _ = await _phase1_buffers(conn, n=256)
     runs = "SELECT autovacuum_count FROM pg_stat_user_tables WHERE relid = 'gpuq.jobs'::regclass"
-    before = await conn.fetchval(runs)
+    # Autovacuum stays off while the dead prefix is built: the test cluster
+    # looks every second and would otherwise clear it before it is measured.
+    await conn.execute("ALTER TABLE gpuq.jobs SET (autovacuum_enabled = false)")
     finished = 0
     while finished < 20_000:
         jobs = (await queue.lease(conn, ["train"], 256, "a#1", LEASE)).jobs
         finished += len(await queue.complete_many(conn, [(j.id, j.lease_token, None) for j in jobs]))
     dirty, _, _ = await _phase1_buffers(conn, n=256)
     assert dirty > clean + 20, (clean, dirty)  # the dead prefix is there to clear
+    await conn.execute("SELECT pg_stat_clear_snapshot()")
+    before = await conn.fetchval(runs)
+    # Only autovacuum_enabled is reset: migration 0003's thresholds stay as they are.
+    await conn.execute("ALTER TABLE gpuq.jobs RESET (autovacuum_enabled)")
 
     async def vacuumed():
         await conn.execute("SELECT pg_stat_clear_snapshot()")

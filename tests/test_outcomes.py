@@ -2,8 +2,9 @@
 
 from datetime import timedelta
 
-from gpuq import queue
+from gpuq import plans, queue
 from gpuq.queue import Backoff
+from gpuq.sql import queries
 from tests.helpers import add_pending, job
 
 LEASE = 30.0
@@ -130,7 +131,8 @@ async def test_completer_isolates_an_outcome_the_database_refuses(pool):
     import json as _json
 
     from gpuq.dispatcher import AgentSession, Dispatcher
-    from gpuq.protocol import Done
+    from gpuq.protocol import Done, Hello, encode
+    from gpuq.protocol.server_side import ServerProtocol
     from tests.harness import server_config
 
     async with pool.acquire() as conn:
@@ -142,7 +144,9 @@ async def test_completer_isolates_an_outcome_the_database_refuses(pool):
         return None
 
     d = Dispatcher(pool, server_config("unused"))
-    session = AgentSession("s", frozenset({"train"}), 2, push=sent.append, close=close, id="s#1")
+    proto = ServerProtocol(max_payload=1 << 20, max_messages_per_second=100, now=0.0)
+    proto.receive(encode(Hello("s", ("train",), 2)), 0.0)
+    session = AgentSession(proto, flush=lambda: sent.extend(proto.frames_to_send()), close=close, id="s#1")
     d.completer.done += [(session, Done(jobs[0].id, jobs[0].lease_token, {"t": "nul\x00"}), "train"),
                          (session, Done(jobs[1].id, jobs[1].lease_token, {"t": "fine"}), "train")]
     await d.completer.flush()
@@ -155,8 +159,8 @@ async def test_completer_isolates_an_outcome_the_database_refuses(pool):
 
 async def _explain(conn, statement, *args):
     """(buffers, indexes scanned) of one rolled-back EXPLAIN ANALYZE run."""
-    plan = await queue.explain(conn, statement, *args)
-    return queue.plan_buffers(plan), queue.plan_indexes(plan)
+    plan = await plans.explain(conn, statement, *args)
+    return plans.plan_buffers(plan), plans.plan_indexes(plan)
 
 
 async def test_outcomes_and_heartbeats_cost_o_batch_however_many_jobs_are_leased(conn):
@@ -173,11 +177,11 @@ async def test_outcomes_and_heartbeats_cost_o_batch_however_many_jobs_are_leased
     ten = jobs[:10]
     ids, tokens = [j.id for j in ten], [j.lease_token for j in ten]
     b = Backoff()
-    for statement, args in ((queue._COMPLETE_MANY, (ids, tokens, [None] * 10)),
-                            (queue._FAIL_MANY, (ids, tokens, ["x"] * 10, [True] * 10, b.base_seconds,
+    for statement, args in ((queries["complete_many"], (ids, tokens, [None] * 10)),
+                            (queries["fail_many"], (ids, tokens, ["x"] * 10, [True] * 10, b.base_seconds,
                                                 b.cap_seconds, b.jitter)),
-                            (queue._HEARTBEAT, (ids, "a#1", LEASE)),
-                            (queue._RELEASE_IDS, (ids, "released"))):
+                            (queries["heartbeat"], (ids, "a#1", LEASE)),
+                            (queries["release_jobs"], (ids, "released"))):
         await _explain(conn, statement, *args)  # warm the plan and the caches
         buffers, indexes = await _explain(conn, statement, *args)
         assert "jobs_leased_idx" not in indexes and "jobs_pkey" in indexes, (statement, indexes)

@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuq import protocol
+from gpuq.kinds import KIND_PATTERN
 from gpuq.protocol import Done, Failed, Results, encode
 
 TOKEN = str(uuid.UUID(int=7))
@@ -78,7 +79,7 @@ def test_encode_done_is_a_done_message_the_server_parses_back(job_id, token, res
         assert protocol.parse_client(frame, 1 << 20) == Done(job_id, token, result)
 
 
-@given(st.integers(1, 2**63 - 1), st.uuids().map(str), st.from_regex(protocol.KIND, fullmatch=True),
+@given(st.integers(1, 2**63 - 1), st.uuids().map(str), st.from_regex(KIND_PATTERN, fullmatch=True),
        json_values, st.integers(1, 1000), st.booleans())
 def test_job_message_splices_the_payload_text_into_a_valid_job(job_id, token, kind, payload, attempt, spaced):
     # PostgreSQL's jsonb text has spaces after ':' and ','; any valid JSON text must do.

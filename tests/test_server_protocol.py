@@ -24,26 +24,10 @@ async def _closed_with(ws, timeout=5):
             return exc.rcvd.code if exc.rcvd else None
 
 
+# Every rule has its unit test in tests/unit/test_server_side.py; these prove the wiring.
 @pytest.mark.parametrize("frame, code", [
-    ("not json", protocol.BAD_JSON),
-    ("[1, 2]", protocol.BAD_MESSAGE),
-    ('{"type": "nope"}', protocol.UNKNOWN_TYPE),
-    ('{"type": "done", "id": 1, "lease_token": "00000000-0000-0000-0000-000000000000"}', protocol.BAD_MESSAGE),
-    ('{"type": "done", "id": 1, "lease_token": "x", "result": 1}', protocol.BAD_MESSAGE),
-    ('{"type": "done", "id": -5, "lease_token": "00000000-0000-0000-0000-000000000000", "result": 1}',
-     protocol.BAD_MESSAGE),
-    ('{"type": "failed", "id": 7, "lease_token": "00000000-0000-0000-0000-000000000000", "error": "x", '
-     '"retryable": "yes"}', protocol.BAD_MESSAGE),
-    ('{"type": "heartbeat", "ids": [7]}', protocol.NOT_HELD),
-    ('{"type": "hello", "agent": "x", "kinds": ["a"], "capacity": 1, "protocol": 1}', protocol.UNEXPECTED),
-    ('{"type": "done", "id": 1, "lease_token": "00000000-0000-0000-0000-000000000000", "result": NaN}',
-     protocol.BAD_JSON),
-    ('{"type": "results", "results": []}', protocol.BAD_MESSAGE),
-    ('{"type": "results", "results": "done"}', protocol.BAD_MESSAGE),
-    ('{"type": "results", "results": [1]}', protocol.BAD_MESSAGE),
-    ('{"type": "results", "results": [{"type": "heartbeat", "ids": []}]}', protocol.BAD_MESSAGE),
-    ('{"type": "results", "results": [{"type": "done", "id": 1, "lease_token": "x", "result": 1}]}',
-     protocol.BAD_MESSAGE),
+    ("not json", protocol.ErrorCode.BAD_JSON),
+    ('{"type": "heartbeat", "ids": [7]}', protocol.ErrorCode.NOT_HELD),
 ])
 async def test_bad_frames_get_an_error_and_the_connection_goes_on(dsn, pool, frame, code):
     async with running_server(dsn) as srv:
@@ -81,10 +65,10 @@ async def test_oversized_and_binary_frames_close_with_documented_codes(dsn, pool
         ws, welcome = await _raw_agent(srv)
         assert welcome["max_payload"] == 4096
         await ws.send(json.dumps({"type": "heartbeat", "ids": [], "pad": "x" * 5000}))
-        assert await _closed_with(ws) == protocol.CLOSE_TOO_BIG
+        assert await _closed_with(ws) == protocol.CloseCode.TOO_BIG
         ws, _ = await _raw_agent(srv)
         await ws.send(b"\x00\x01binary")
-        assert await _closed_with(ws) == protocol.CLOSE_UNSUPPORTED_DATA
+        assert await _closed_with(ws) == protocol.CloseCode.UNSUPPORTED_DATA
         # A healthy agent is still served by the same server.
         done = anyio.Event()
         await srv.agent(["embed"], 1, sets(done))
@@ -94,16 +78,9 @@ async def test_oversized_and_binary_frames_close_with_documented_codes(dsn, pool
 
 
 @pytest.mark.parametrize("hello, close_code", [
-    ('{"type": "heartbeat", "ids": []}', protocol.CLOSE_PROTOCOL_ERROR),
-    ('{"type": "hello", "agent": "x", "kinds": [], "capacity": 1, "protocol": 1}', protocol.CLOSE_PROTOCOL_ERROR),
-    ('{"type": "hello", "agent": "x", "kinds": ["a,b"], "capacity": 1, "protocol": 1}', protocol.CLOSE_PROTOCOL_ERROR),
-    ('{"type": "hello", "agent": "x", "kinds": ["a"], "capacity": 0, "protocol": 1}', protocol.CLOSE_PROTOCOL_ERROR),
+    ('{"type": "heartbeat", "ids": []}', protocol.CloseCode.PROTOCOL_ERROR),
     ('{"type": "hello", "agent": "x", "kinds": ["a"], "capacity": 1, "protocol": 99}',
-     protocol.CLOSE_UNSUPPORTED_VERSION),
-    ("garbage", protocol.CLOSE_PROTOCOL_ERROR),
-    # Found by the fuzzer: a reason of 120 characters can be over the 123 bytes a close frame holds.
-    (json.dumps({"type": "hello", "agent": "x", "kinds": ["a"], "capacity": 1, "protocol": ["é" * 200]}),
-     protocol.CLOSE_UNSUPPORTED_VERSION),
+     protocol.CloseCode.UNSUPPORTED_VERSION),
 ])
 async def test_a_bad_hello_closes_the_connection(dsn, hello, close_code):
     async with running_server(dsn) as srv:
@@ -112,30 +89,11 @@ async def test_a_bad_hello_closes_the_connection(dsn, hello, close_code):
         assert await _closed_with(ws) == close_code
 
 
-async def test_a_second_hello_with_a_long_non_ascii_reason_is_closed_cleanly(dsn):
-    async with running_server(dsn) as srv:
-        ws, _ = await _raw_agent(srv)
-        await ws.send(json.dumps({"type": "hello", "agent": "x", "kinds": ["a"], "capacity": 1,
-                                  "protocol": "ü" * 200}))
-        assert await _closed_with(ws) == protocol.CLOSE_PROTOCOL_ERROR
-        ws, _ = await _raw_agent(srv)  # and the server still serves
-        await ws.close()
-
-
 async def test_silent_clients_are_closed_after_the_hello_timeout(dsn, monkeypatch):
     monkeypatch.setattr(server, "HELLO_TIMEOUT_SECONDS", 0.3)
     async with running_server(dsn) as srv:
         ws = await connect(srv.url, additional_headers=AUTH)
-        assert await _closed_with(ws) == protocol.CLOSE_HELLO_TIMEOUT
-
-
-async def test_too_many_errors_close_the_connection(dsn, monkeypatch):
-    monkeypatch.setattr(server, "MAX_ERRORS_PER_CONNECTION", 5)
-    async with running_server(dsn) as srv:
-        ws, _ = await _raw_agent(srv)
-        for _ in range(6):
-            await ws.send("nope")
-        assert await _closed_with(ws) == protocol.CLOSE_PROTOCOL_ERROR
+        assert await _closed_with(ws) == protocol.CloseCode.HELLO_TIMEOUT
 
 
 async def test_message_flood_is_closed_with_4008(dsn):
@@ -147,7 +105,7 @@ async def test_message_flood_is_closed_with_4008(dsn):
                 await ws.send(frame)
                 await anyio.sleep(0)
             await ws.recv()
-        assert info.value.rcvd is not None and info.value.rcvd.code == protocol.CLOSE_RATE_LIMITED
+        assert info.value.rcvd is not None and info.value.rcvd.code == protocol.CloseCode.RATE_LIMITED
 
 
 async def _connect_when_a_slot_frees(srv, timeout=10):
@@ -192,7 +150,7 @@ async def test_a_result_postgres_cannot_store_is_refused_and_blocks_nothing(dsn,
         bad, good = jobs
         await ws.send(json.dumps({"type": "done", "id": bad["id"], "lease_token": bad["lease_token"],
                                   "result": {"text": "nul\u0000here"}}))
-        assert (await _next_of(ws, "error"))["code"] == protocol.BAD_MESSAGE
+        assert (await _next_of(ws, "error"))["code"] == protocol.ErrorCode.BAD_MESSAGE
         await ws.send(json.dumps({"type": "failed", "id": good["id"], "lease_token": good["lease_token"],
                                   "error": "oops\u0000", "retryable": False}))
         assert (await _next_of(ws, "ack"))["accepted"] == [good["id"]]
@@ -220,23 +178,6 @@ async def test_one_results_frame_settles_many_jobs_and_gets_one_ack(dsn, pool):
     rows = dict(await pool.fetch("SELECT id, status::text FROM gpuq.jobs"))
     assert rows == {**{j["id"]: "done" for j in jobs[:7]}, jobs[7]["id"]: "dead"}
     assert await pool.fetchval("SELECT result FROM gpuq.jobs WHERE id = $1", jobs[0]["id"]) == {"n": jobs[0]["id"]}
-
-
-async def test_a_results_frame_with_one_bad_outcome_changes_nothing(dsn, pool):
-    """Strict like every message: the whole frame is refused, and it says why."""
-    async with running_server(dsn) as srv:
-        ws, _ = await _raw_agent(srv, capacity=2)
-        await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'embed' FROM generate_series(1, 2)")
-        jobs = []
-        while len(jobs) < 2:
-            jobs += (await _next_of(ws, "jobs"))["jobs"]
-        good, bad = ({"type": "done", "id": j["id"], "lease_token": j["lease_token"], "result": r}
-                     for j, r in zip(jobs, [1, {"text": "nul\u0000here"}], strict=True))
-        await ws.send(json.dumps({"type": "results", "results": [good, bad]}))
-        err = await _next_of(ws, "error")
-        assert err["code"] == protocol.BAD_MESSAGE and "U+0000" in err["message"]
-        await ws.close()
-    assert await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'done'") == 0
 
 
 async def test_a_pushed_job_has_exactly_the_documented_fields(dsn, pool):

@@ -2,7 +2,8 @@
 
 import json
 
-from gpuq import queue
+from gpuq import plans, queue
+from gpuq.sql import queries
 from tests.helpers import add_pending, seed_history
 
 
@@ -30,10 +31,10 @@ async def test_status_plan_touches_no_done_rows(conn):
     await seed_history(conn, 50_000)
     await add_pending(conn, 5)
     await conn.execute("ANALYZE gpuq.jobs")
-    raw = await conn.fetchval("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + queue.STATUS_COUNTS_SQL)
+    raw = await conn.fetchval("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + queries["status_counts"])
     plan = (json.loads(raw) if isinstance(raw, str) else raw)[0]
-    used = queue.plan_indexes(plan)
+    used = plans.plan_indexes(plan)
     assert {"jobs_pending_idx", "jobs_leased_idx", "jobs_scheduled_idx"} <= used
     assert not any(i.startswith("seqscan:") for i in used)
     # 50k done rows span ~900 heap pages; the status query reads a handful.
-    assert queue.plan_buffers(plan) < 30
+    assert plans.plan_buffers(plan) < 30

@@ -1,7 +1,26 @@
-"""gpuq: an event-driven GPU job queue on PostgreSQL."""
+"""gpuq: an event-driven GPU job queue on PostgreSQL.
 
-from gpuq.producer import enqueue, enqueue_many
-from gpuq.queue import NewJob
+The producer helpers load lazily: ``import gpuq.agent`` on a GPU box must not
+pull in asyncpg and the database side.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gpuq.producer import enqueue, enqueue_many
+    from gpuq.queue import NewJob
 
 __all__ = ["NewJob", "enqueue", "enqueue_many"]
 __version__ = "0.1.0"
+
+_LAZY = {"enqueue": "gpuq.producer", "enqueue_many": "gpuq.producer", "NewJob": "gpuq.queue"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'gpuq' has no attribute {name!r}")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import random
-import signal
 import socket
 import ssl
 import traceback
@@ -35,7 +34,16 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI
 
 from gpuq import logs, protocol
-from gpuq.protocol import Ack, Failed, Heartbeat, Hello, Jobs, ServerDrain, Welcome, encode
+from gpuq.protocol import Hello
+from gpuq.protocol.agent_side import (
+    Acked,
+    AgentProtocol,
+    JobsReceived,
+    ServerDraining,
+    ServerError,
+    Welcomed,
+)
+from gpuq.signals import stop_on_signal
 
 log = logs.get("agent")
 
@@ -57,6 +65,8 @@ Handler = Callable[[Job], Any]
 
 
 class Agent:
+    """The I/O around ``AgentProtocol``: one websocket, reconnected with backoff, and the handlers."""
+
     def __init__(
         self,
         url: str,
@@ -79,25 +89,24 @@ class Agent:
         self.reconnect_min, self.reconnect_max = reconnect_min, reconnect_max
         # asyncio events (not anyio's) so an Agent can be built before the loop runs.
         self.connected = asyncio.Event()  # set on the first welcome (handy for tests and demos)
-        self.completed = 0  # outcomes acknowledged by the server
-        self._hello = Hello(self.name, self.kinds, capacity)  # validated below
-        protocol.parse_client(encode(self._hello), 1 << 20)
-        self._running: dict[int, Job] = {}
-        self._unacked: dict[int, str] = {}  # job id -> encoded outcome, until the server acks
-        self._outbox: list[str] = []  # encoded outcomes not sent yet on this connection
-        self._outbox_ready = asyncio.Event()
-        self._stopping = False
+        self.protocol = AgentProtocol(Hello(self.name, self.kinds, capacity))  # checks the hello
+        self._ready = asyncio.Event()  # the protocol has frames to send
         self._stop_event = asyncio.Event()
-        self._max_frame = 1 << 20  # the server's max_payload, from its welcome
+
+    @property
+    def completed(self) -> int:
+        """Outcomes the server accepted (acknowledged after its commit)."""
+        return self.protocol.completed
 
     def stop(self) -> None:
         """Finish running jobs, report them, then return from ``run()``."""
-        self._stopping = True
+        self.protocol.drain()
+        self._ready.set()
         self._stop_event.set()
 
     async def run(self) -> None:
         delay = self.reconnect_min
-        while not self._stopping:
+        while not self.protocol.draining or self.protocol.unacked:
             try:
                 await self._session()
                 delay = self.reconnect_min
@@ -106,7 +115,9 @@ class Agent:
             except (OSError, ConnectionClosed, TimeoutError, InvalidStatus, protocol.ProtocolError) as exc:
                 log.warning("agent.connection_lost", agent=self.name, error=str(exc) or type(exc).__name__,
                             retry_in=round(delay, 2))
-            if self._stopping and not self._unacked:
+            finally:
+                self.protocol.connection_lost()
+            if self.protocol.finished or (self.protocol.draining and not self.protocol.unacked):
                 break
             with anyio.move_on_after(delay * random.uniform(0.5, 1.0)):
                 await self._stop_event.wait()
@@ -123,22 +134,18 @@ class Agent:
         except InvalidURI as exc:
             raise AuthError(f"bad server URL {self.url!r}: {exc}") from None
         async with ws:
-            await ws.send(encode(self._hello))
-            welcome = protocol.parse_server(await ws.recv())
-            if not isinstance(welcome, Welcome):
-                raise protocol.ProtocolError(protocol.UNEXPECTED, f"expected welcome, got {welcome}")
-            log.info("agent.connected", agent=welcome.agent_id, url=self.url, kinds=list(self.kinds),
+            self.protocol.connection_made()
+            await self._send(ws)
+            welcome = self.protocol.receive(await ws.recv())
+            assert isinstance(welcome, Welcomed)
+            log.info("agent.connected", agent=welcome.welcome.agent_id, url=self.url, kinds=list(self.kinds),
                      capacity=self.capacity, event_loop=logs.event_loop_name())
-            self._max_frame = welcome.max_payload
             self.connected.set()
-            # Outcomes the last connection did not see acked go first.
-            self._outbox = list(self._unacked.values())
-            self._outbox_ready.set()
+            self._ready.set()  # outcomes the last connection did not see acked go first
             try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._sender, ws)
-                    tg.start_soon(self._heartbeats, ws, welcome.heartbeat_seconds)
-                    tg.start_soon(self._stop_watcher, ws)
+                    tg.start_soon(self._heartbeats, welcome.welcome.heartbeat_seconds)
                     await self._reader(ws, tg)
                     tg.cancel_scope.cancel()
             except BaseExceptionGroup as group:
@@ -146,25 +153,21 @@ class Agent:
                 raise _first_leaf(group) from None
 
     async def _reader(self, ws: ClientConnection, tg: Any) -> None:
+        if self.protocol.finished:
+            await ws.close()
+            return
         async for frame in ws:
-            msg = protocol.parse_server(frame)
-            if isinstance(msg, Jobs):
-                jobs = list(msg.jobs)
-                for job in jobs:
-                    self._running[job.id] = job
-                tg.start_soon(self._run_jobs, jobs)
-            elif isinstance(msg, Ack):
-                for i in (*msg.accepted, *msg.rejected):
-                    self._unacked.pop(i, None)
-                self.completed += len(msg.accepted)
-                if msg.rejected:
-                    log.warning("agent.results_rejected", agent=self.name, job_ids=list(msg.rejected))
-                if self._stopping and not self._running and not self._unacked:
-                    await ws.close()
-            elif isinstance(msg, ServerDrain):
-                log.info("agent.server_draining", agent=self.name, deadline_seconds=msg.deadline_seconds)
-            elif isinstance(msg, protocol.Error):
-                log.warning("agent.server_error", agent=self.name, code=msg.code, message=msg.message)
+            event = self.protocol.receive(frame)
+            if isinstance(event, JobsReceived):
+                tg.start_soon(self._run_jobs, event.jobs)
+            elif isinstance(event, Acked) and event.rejected:
+                log.warning("agent.results_rejected", agent=self.name, job_ids=list(event.rejected))
+            elif isinstance(event, ServerDraining):
+                log.info("agent.server_draining", agent=self.name, deadline_seconds=event.deadline_seconds)
+            elif isinstance(event, ServerError):
+                log.warning("agent.server_error", agent=self.name, code=event.code, message=event.message)
+            if self.protocol.finished:
+                await ws.close()
 
     async def _run_jobs(self, jobs: list[Job]) -> None:
         """The jobs of one push, each concurrently, each reported as soon as it ends.
@@ -185,52 +188,41 @@ class Agent:
                 result = await self.handler(job)
             else:
                 result = await anyio.to_thread.run_sync(self.handler, job)
-            item = _outcome(job, result, self._max_frame - protocol.RESULTS_OVERHEAD)
         except PermanentError as exc:
-            item = encode(Failed(job.id, job.lease_token, _summary(exc), retryable=False))
+            self.protocol.job_failed(job, _summary(exc), retryable=False)
         except Exception as exc:  # the handler's failure is the job's, not ours
-            item = encode(Failed(job.id, job.lease_token, _summary(exc), retryable=True))
-        self._running.pop(job.id, None)
-        self._unacked[job.id] = item
-        self._outbox.append(item)
-        self._outbox_ready.set()
+            self.protocol.job_failed(job, _summary(exc), retryable=True)
+        else:
+            self.protocol.job_done(job, result)
+        self._ready.set()
 
     async def _sender(self, ws: ClientConnection) -> None:
-        """Send every outcome that is ready in as few frames as fit.
+        """Send what the protocol queued, in as few frames as fit.
 
         Jobs pushed together finish together: by the time this task runs, the
         other handlers of the batch have usually queued theirs too.
         """
         while True:
-            await self._outbox_ready.wait()
-            self._outbox_ready.clear()
-            items, self._outbox = self._outbox, []
-            for frame in protocol.pack_results(items, self._max_frame):
-                await ws.send(frame)  # if the connection drops, _unacked has them for the next
+            await self._ready.wait()
+            self._ready.clear()
+            await self._send(ws)  # if the connection drops, the protocol keeps them for the next
+            if self.protocol.finished:
+                await ws.close()
 
-    async def _heartbeats(self, ws: ClientConnection, every: float) -> None:
+    async def _send(self, ws: ClientConnection) -> None:
+        for frame in self.protocol.frames_to_send():
+            await ws.send(frame)
+
+    async def _heartbeats(self, every: float) -> None:
         while True:
             await anyio.sleep(every)
-            if self._running:
-                await ws.send(encode(Heartbeat(tuple(self._running))))
-
-    async def _stop_watcher(self, ws: ClientConnection) -> None:
-        await self._stop_event.wait()
-        await ws.send(encode(protocol.Drain()))
-        log.info("agent.draining", agent=self.name, running=len(self._running))
-        if not self._running and not self._unacked:
-            await ws.close()
+            self.protocol.heartbeat()
+            self._ready.set()
 
     async def run_until_signal(self) -> None:
         """``run()``, with SIGTERM/SIGINT turned into a graceful ``stop()``."""
         async with anyio.create_task_group() as tg:
-            async def watch() -> None:
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for _ in signals:
-                        self.stop()
-                        return
-
-            tg.start_soon(watch)
+            tg.start_soon(stop_on_signal, self.stop)
             await self.run()
             tg.cancel_scope.cancel()
 
@@ -240,21 +232,6 @@ def _first_leaf(group: BaseExceptionGroup) -> BaseException:
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]
     return exc
-
-
-def _outcome(job: Job, result: Any, max_size: int) -> str:
-    """The encoded ``done``, or a permanent ``failed`` for a result the server could not take."""
-    try:
-        item = protocol.encode_done(job.id, job.lease_token, result)
-    except (TypeError, ValueError) as exc:
-        return encode(Failed(job.id, job.lease_token, f"result is not JSON-serializable: {exc}", retryable=False))
-    if len(item) > max_size:
-        return encode(Failed(job.id, job.lease_token, f"result of {len(item)} bytes is over the server's "
-                             f"limit of {max_size} bytes", retryable=False))
-    if "\\u0000" in item and protocol.contains_nul(result):
-        return encode(Failed(job.id, job.lease_token, "result contains the character U+0000, which "
-                             "PostgreSQL cannot store in jsonb", retryable=False))
-    return item
 
 
 def _summary(exc: BaseException, limit: int = 4000) -> str:

@@ -11,7 +11,6 @@ import argparse
 import importlib
 import json
 import os
-import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,6 +19,7 @@ import anyio
 
 from gpuq import __version__, logs
 from gpuq.config import run_service
+from gpuq.signals import stop_on_signal
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -30,13 +30,23 @@ class CLIError(Exception):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own parser, so nothing else loads the bench modules
+        return _run(cmd_bench, argv[1:])
+    return _run(_command, build_parser().parse_args(argv))
+
+
+def _command(args: argparse.Namespace) -> int:
+    if getattr(args, "log_format", None) is not None or args.command in LOGGING_COMMANDS:
+        logs.configure(getattr(args, "log_format", None), getattr(args, "log_level", None),
+                       stream=sys.stderr if args.command in STDERR_LOG_COMMANDS else sys.stdout)
+    return int(args.func(args) or 0)
+
+
+def _run(command: Callable[[Any], int], arg: Any) -> int:
+    """Run a command; every failure an operator can cause becomes one line and exit 1."""
     try:
-        if getattr(args, "log_format", None) is not None or args.command in LOGGING_COMMANDS:
-            logs.configure(getattr(args, "log_format", None), getattr(args, "log_level", None),
-                           stream=sys.stderr if args.command in STDERR_LOG_COMMANDS else sys.stdout)
-        return int(args.func(args) or 0)
+        return int(command(arg) or 0)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - the CLI's one place that turns errors into a line
@@ -165,8 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     _log_flags(d)
     d.set_defaults(func=cmd_dev)
 
-    b = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
-    _register_bench(b)
+    # Parsed by gpuq.bench.main (see main()); listed here for --help only.
+    sub.add_parser("bench", help="benchmarks: `gpuq bench --help` lists them (see docs/benchmarks.md)",
+                   add_help=False)
     return p
 
 
@@ -180,19 +191,12 @@ def _log_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", help="debug, info, warning, error (env GPUQ_LOG_LEVEL, default info)")
 
 
-def _register_bench(b: argparse.ArgumentParser) -> None:
+def cmd_bench(argv: list[str]) -> int:
     try:
         from gpuq import bench
-    except ImportError as exc:
-        msg = f"benchmarks unavailable: {exc}"
-        b.set_defaults(func=lambda _args: _fail(msg))
-        return
-    bench.register(b)
-    b.set_defaults(func=lambda args: args.bench(args))
-
-
-def _fail(message: str) -> int:
-    raise CLIError(message)
+    except ImportError as exc:  # an install without the bench extra
+        raise CLIError(f"benchmarks unavailable: {exc} (pip install 'gpuq[bench]')") from None
+    return bench.main(argv)
 
 
 def _dsn(args: argparse.Namespace) -> str:
@@ -233,21 +237,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     async def run() -> None:
         stop = anyio.Event()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_stop_on_signal, stop)
+            tg.start_soon(stop_on_signal, stop.set)
             await serve(config, stop=stop, tls=tls)
             tg.cancel_scope.cancel()
 
     run_service(run)
     return 0
-
-
-async def _stop_on_signal(stop: anyio.Event, also: Callable[[], None] | None = None) -> None:
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for _ in signals:
-            stop.set()
-            if also:
-                also()
-            return
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -269,7 +264,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                 return
             stop = anyio.Event()
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_stop_on_signal, stop)
+                tg.start_soon(stop_on_signal, stop.set)
                 tg.start_soon(sweeper.run)
                 await stop.wait()
                 tg.cancel_scope.cancel()

@@ -8,7 +8,7 @@ from typing import Any
 
 import asyncpg
 
-from gpuq.queue import PLAN_SETTINGS
+from gpuq.plans import PLAN_SETTINGS
 
 DEFAULT_DSN_ENV = "DATABASE_URL"
 

@@ -25,6 +25,7 @@ from gpuq.demo import handle
 from gpuq.migrate import migrate
 from gpuq.queue import NewJob
 from gpuq.server import serve
+from gpuq.signals import stop_on_signal
 
 
 def run_dev(args: argparse.Namespace) -> int:
@@ -116,11 +117,6 @@ async def _progress(pool: object, producer: Producer, agents: list[Agent], stop:
 
 
 async def _stop_on_signal_or_timer(stop: anyio.Event, duration: float | None) -> None:
-    import signal
-
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        with anyio.move_on_after(duration if duration is not None else float("inf")):
-            async for _ in signals:
-                print("\nstopping ...", flush=True)
-                break
+    with anyio.move_on_after(duration if duration is not None else float("inf")):
+        await stop_on_signal(lambda: print("\nstopping ...", flush=True))
     stop.set()

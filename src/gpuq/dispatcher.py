@@ -1,8 +1,9 @@
 """The dispatcher: LISTEN for new work, lease it for agents with free credit, record outcomes.
 
 It knows agents only as ``AgentSession`` objects (the server creates one per
-websocket connection) and talks to them through ``session.push(frame)``, so
-the websocket code stays in ``server.py`` and the SQL in ``queue.py``.
+websocket connection) and queues frames through each one's sans-I/O protocol
+object, so the websocket code stays in ``server.py``, the connection's rules in
+``protocol/server_side.py`` and the SQL in ``sql/queries.sql``.
 
 Three loops run in one task group:
 - ``_listen_loop``: one LISTEN connection on ``gpuq_jobs``, reconnected with
@@ -24,7 +25,7 @@ import random
 import secrets
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -32,32 +33,56 @@ import asyncpg
 
 from gpuq import db, logs, metrics, queue
 from gpuq.config import ServerConfig
-from gpuq.protocol import Ack, Done, Failed, ServerDrain, encode, job_message, jobs_frame
+from gpuq.protocol import Done, Failed
+from gpuq.protocol.server_side import ServerProtocol
 from gpuq.queue import Backoff
+from gpuq.sql import queries
 
 log = logs.get("dispatcher")
 
 
 @dataclass(eq=False)
 class AgentSession:
-    """One connected agent, as the dispatcher sees it."""
+    """One connected agent, as the dispatcher sees it.
 
-    name: str
-    kinds: frozenset[str]
-    capacity: int
-    push: Callable[[str], None]  # queue a frame for this agent's connection (never blocks)
+    Its protocol object holds the connection's rules and credit (the jobs it
+    holds); frames queued there go out when ``flush()`` wakes its writer.
+    """
+
+    protocol: ServerProtocol
+    flush: Callable[[], None]  # wake the connection's writer (never blocks)
     close: Callable[[int, str], Awaitable[None]]
     id: str = ""  # the jobs' leased_by: name + a per-connection suffix
-    inflight: dict[int, tuple[str, str]] = field(default_factory=dict)  # job id -> (token, kind)
-    draining: bool = False
+    kinds: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
+        hello = self.protocol.hello
+        assert hello is not None, "a session starts after the hello"
+        self.name = hello.agent
+        self.kinds = frozenset(hello.kinds)
         if not self.id:
             self.id = f"{self.name}#{secrets.token_hex(4)}"
 
     @property
+    def capacity(self) -> int:
+        return self.protocol.capacity
+
+    @property
+    def inflight(self) -> dict[int, tuple[str, str]]:
+        """Job id -> (lease token, kind) of the jobs pushed and not yet reported."""
+        return self.protocol.held
+
+    @property
     def free(self) -> int:
-        return 0 if self.draining else max(0, self.capacity - len(self.inflight))
+        return self.protocol.free
+
+    @property
+    def draining(self) -> bool:
+        return self.protocol.draining
+
+    def send_ack(self, accepted: tuple[int, ...], rejected: tuple[int, ...]) -> None:
+        self.protocol.send_ack(accepted, rejected)
+        self.flush()
 
 
 class Dispatcher:
@@ -103,23 +128,15 @@ class Dispatcher:
                  inflight=len(session.inflight))
         session.inflight.clear()
 
-    def submit(self, session: AgentSession, outcomes: Iterable[Done | Failed]) -> None:
-        """Free the credit of each reported job and queue its outcome for the database.
+    def submit(self, session: AgentSession, outcomes: Iterable[tuple[Done | Failed, str]], freed: int) -> None:
+        """Queue reported outcomes ``(message, kind)`` for the database; ``freed`` credits came back.
 
-        An outcome for a job this connection was not given (an agent resending
-        after a reconnect, or a stale one) still goes to the database: the
-        lease token decides there, and the agent gets an ack either way. Its
-        kind, for metrics, is then '?'.
+        The session's protocol has already matched them to the jobs it holds;
+        an outcome for a job it was not given (kind '?') still goes to the
+        database, where the lease token decides, and is acked either way.
         """
-        inflight, freed = session.inflight, False
         done, failed = self.completer.done, self.completer.failed
-        for msg in outcomes:
-            held = inflight.get(msg.id)
-            if held is not None and held[0] == msg.lease_token:
-                del inflight[msg.id]
-                freed, kind = True, held[1]
-            else:
-                kind = "?"
+        for msg, kind in outcomes:
             if isinstance(msg, Done):
                 done.append((session, msg, kind))
             else:
@@ -129,7 +146,6 @@ class Dispatcher:
             self._credit_freed(session)
 
     def set_draining(self, session: AgentSession) -> None:
-        session.draining = True
         log.info("agent.draining", agent=session.id, inflight=len(session.inflight))
 
     async def heartbeat(self, session: AgentSession, ids: tuple[int, ...]) -> set[int]:
@@ -179,7 +195,7 @@ class Dispatcher:
                     with anyio.move_on_after(5):
                         await lost.wait()
                     if not lost.is_set():
-                        await conn.execute("SELECT 1", timeout=5)  # catch a half-open socket
+                        await conn.execute(queries["ping"], timeout=5)  # catch a half-open socket
             except db.RETRYABLE_ERRORS as exc:
                 log.warning("listen.lost", error=str(exc), retry_in=round(delay, 2))
             finally:
@@ -264,12 +280,11 @@ class Dispatcher:
                 self.completer.orphans.extend(j.id for j in batch)
                 self.completer.wake()
                 continue
-            for j in batch:
-                session.inflight[j.id] = (j.lease_token, j.kind)
-                if debug:
+            if debug:
+                for j in batch:
                     log.debug("job.pushed", job_id=j.id, agent=sid, kind=j.kind, attempt=j.attempt)
-            session.push(jobs_frame([job_message(j.id, j.lease_token, j.kind, j.payload_json, j.attempt)
-                                     for j in batch]))
+            session.protocol.send_jobs(batch)
+            session.flush()
         metrics.INFLIGHT.set(sum(len(s.inflight) for s in self.sessions.values()))
 
     # -- shutdown --------------------------------------------------------
@@ -280,7 +295,8 @@ class Dispatcher:
         self._wake.set()
         log.info("dispatcher.draining", agents=len(self.sessions), deadline_seconds=deadline_seconds)
         for s in list(self.sessions.values()):
-            s.push(encode(ServerDrain(deadline_seconds)))
+            s.protocol.send_drain(deadline_seconds)
+            s.flush()
         with anyio.move_on_after(deadline_seconds):
             while any(s.inflight for s in self.sessions.values()):
                 await anyio.sleep(0.05)
@@ -362,7 +378,7 @@ class Completer:
             session, msg, _kind = item
             log.error("job.outcome_refused", job_id=msg.id, agent=session.id, error=str(exc))
             metrics.RESULTS_REJECTED.inc()
-            session.push(encode(Ack((), (msg.id,))))
+            session.send_ack((), (msg.id,))
 
     async def _flush_once(self) -> None:
         done, failed, orphans = self.done[:1000], self.failed[:1000], self.orphans[:1000]
@@ -396,7 +412,7 @@ class Completer:
             else:
                 metrics.RESULTS_REJECTED.inc()
         for session, (ok_ids, bad_ids) in acks.items():
-            session.push(encode(Ack(tuple(ok_ids), tuple(bad_ids))))
+            session.send_ack(tuple(ok_ids), tuple(bad_ids))
         self._log(done, failed, accepted, outcomes)
 
     def _log(self, done: list[Any], failed: list[Any], accepted: set[int],

@@ -17,20 +17,11 @@ from pathlib import Path
 import asyncpg
 
 from gpuq.db import connect
+from gpuq.sql import queries
 
 # Arbitrary constant: "gpuq" in ASCII. Held for the whole run.
 LOCK_KEY = 0x67707571
 FILE_PATTERN = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
-
-BOOTSTRAP = """
-CREATE SCHEMA IF NOT EXISTS gpuq;
-CREATE TABLE IF NOT EXISTS gpuq.schema_migrations (
-    version    text PRIMARY KEY,
-    name       text NOT NULL,
-    checksum   text NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT now()
-);
-"""
 
 
 class MigrationError(RuntimeError):
@@ -76,9 +67,9 @@ async def migrate(dsn: str, directory: Path | None = None) -> list[str]:
     wanted = load_migrations(directory)
     conn = await connect(dsn)
     try:
-        await conn.execute("SELECT pg_advisory_lock($1)", LOCK_KEY)
+        await conn.execute(queries["migrations_lock"], LOCK_KEY)
         try:
-            await conn.execute(BOOTSTRAP)
+            await conn.execute(queries["migrations_bootstrap"])
             applied = await _applied(conn)
             done = []
             for mig in wanted:
@@ -91,25 +82,22 @@ async def migrate(dsn: str, directory: Path | None = None) -> list[str]:
                     continue
                 async with conn.transaction():
                     await conn.execute(mig.sql)
-                    await conn.execute(
-                        "INSERT INTO gpuq.schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
-                        mig.version, mig.name, mig.checksum,
-                    )
+                    await conn.execute(queries["migration_record"], mig.version, mig.name, mig.checksum)
                 done.append(mig.name)
             return done
         finally:
-            await conn.execute("SELECT pg_advisory_unlock($1)", LOCK_KEY)
+            await conn.execute(queries["migrations_unlock"], LOCK_KEY)
     finally:
         await conn.close()
 
 
 async def pending_migrations(conn: asyncpg.Connection, directory: Path | None = None) -> list[str]:
     """Names of migrations not yet applied to this database (empty = up to date)."""
-    exists = await conn.fetchval("SELECT to_regclass('gpuq.schema_migrations') IS NOT NULL")
+    exists = await conn.fetchval(queries["migrations_tracked"])
     applied = await _applied(conn) if exists else {}
     return [m.name for m in load_migrations(directory) if m.version not in applied]
 
 
 async def _applied(conn: asyncpg.Connection) -> dict[str, str]:
-    rows = await conn.fetch("SELECT version, checksum FROM gpuq.schema_migrations")
+    rows = await conn.fetch(queries["migrations_applied"])
     return {r["version"]: r["checksum"] for r in rows}

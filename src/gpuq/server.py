@@ -23,17 +23,20 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from gpuq import db, logs, metrics, protocol, queue
+from gpuq import db, logs, metrics, queue
 from gpuq.config import ConfigError, ServerConfig
 from gpuq.dispatcher import AgentSession, Dispatcher
 from gpuq.migrate import pending_migrations
-from gpuq.protocol import Drain, Error, Failed, Heartbeat, Hello, ProtocolError, Welcome, encode
+from gpuq.protocol import CloseCode, Welcome, server_side
+from gpuq.protocol.server_side import ServerProtocol
+from gpuq.sql import queries
 from gpuq.sweeper import Sweeper, SweeperConfig
 
 log = logs.get("server")
 
-HELLO_TIMEOUT_SECONDS = 10.0
-MAX_ERRORS_PER_CONNECTION = 100  # then the connection is closed with 4000
+# Module settings so tests can shorten them; the rules are in protocol/server_side.py.
+HELLO_TIMEOUT_SECONDS = server_side.HELLO_TIMEOUT_SECONDS
+MAX_ERRORS_PER_CONNECTION = server_side.MAX_ERRORS_PER_CONNECTION
 AGENT_PATH = "/agent"
 
 
@@ -98,7 +101,7 @@ class AgentServer:
         db_ok = True
         try:
             with anyio.fail_after(2):
-                await self.d.pool.fetchval("SELECT 1")
+                await self.d.pool.fetchval(queries["ping"])
         except db.RETRYABLE_ERRORS + (TimeoutError,):
             db_ok = False
         ok = db_ok and self.d.listening and not self.d.stopping
@@ -115,6 +118,8 @@ class AgentServer:
         return body
 
     # -- websocket: one agent connection ---------------------------------
+    # This layer only pumps frames: every rule of the connection is in
+    # protocol/server_side.py.
 
     async def handle(self, ws: ServerConnection) -> None:
         ip = _remote(ws).rsplit(":", 1)[0]
@@ -129,133 +134,104 @@ class AgentServer:
                 del self._per_ip[ip]
 
     async def _handle(self, ws: ServerConnection) -> None:
-        hello = await self._hello(ws)
-        if hello is None:
+        proto = ServerProtocol(max_payload=self.config.max_payload, now=time.monotonic(),
+                               max_messages_per_second=self.config.max_messages_per_second,
+                               hello_timeout=HELLO_TIMEOUT_SECONDS, max_errors=MAX_ERRORS_PER_CONNECTION)
+        if not await self._hello(ws, proto):
             return
-        outbox_send, outbox_recv = anyio.create_memory_object_stream[str](max_buffer_size=float("inf"))
-        def push(frame: str) -> None:
-            # An ack or job for a connection that just ended is dropped: the
-            # agent resends outcomes, and unregister() returns its jobs.
-            try:
-                outbox_send.send_nowait(frame)
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                pass
+        ready = anyio.Event()
+        wake: list[anyio.Event] = [ready]
 
-        session = AgentSession(hello.agent, frozenset(hello.kinds), hello.capacity, push=push, close=ws.close)
-        await ws.send(encode(Welcome(session.id, self.config.lease_seconds, self.config.heartbeat_seconds,
-                                     self.config.max_payload)))
+        def flush() -> None:
+            wake[0].set()
+
+        session = AgentSession(proto, flush=flush, close=ws.close)
+        proto.accept(Welcome(session.id, self.config.lease_seconds, self.config.heartbeat_seconds,
+                             self.config.max_payload))
+        await _send_all(ws, proto)
         self.d.register(session)
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_writer, ws, outbox_recv)
+                tg.start_soon(_writer, ws, proto, wake)
                 await self._reader(ws, session)
                 tg.cancel_scope.cancel()
         finally:
-            outbox_send.close()
             await self.d.unregister(session)
 
-    async def _hello(self, ws: ServerConnection) -> Hello | None:
+    async def _hello(self, ws: ServerConnection, proto: ServerProtocol) -> bool:
+        """Wait for the hello until its deadline; True once the connection is open."""
         try:
-            with anyio.fail_after(HELLO_TIMEOUT_SECONDS):
-                frame = await ws.recv()
-        except TimeoutError:
-            await ws.close(protocol.CLOSE_HELLO_TIMEOUT, "no hello in time")
-            return None
+            with anyio.move_on_after(max(0.0, proto.hello_deadline - time.monotonic())) as waited:
+                self._refused(proto.receive(await ws.recv(), time.monotonic()))
         except ConnectionClosed:
-            return None
-        try:
-            msg = protocol.parse_client(frame, self.config.max_payload)
-            if not isinstance(msg, Hello):
-                raise ProtocolError(protocol.UNEXPECTED, "the first message must be hello", fatal=True)
-        except ProtocolError as exc:
-            metrics.PROTOCOL_ERRORS.labels(code=exc.code).inc()
-            await _send_quietly(ws, encode(Error(exc.code, exc.message)))
-            unsupported = "protocol" in exc.message and "not supported" in exc.message
-            await ws.close(protocol.CLOSE_UNSUPPORTED_VERSION if unsupported else protocol.CLOSE_PROTOCOL_ERROR,
-                           _close_reason(exc.message))
-            return None
-        return msg
+            return False
+        if waited.cancelled_caught:
+            proto.check_deadline(proto.hello_deadline)
+        return not await _close_if_asked(ws, proto) and proto.state is server_side.State.OPEN
 
     async def _reader(self, ws: ServerConnection, session: AgentSession) -> None:
-        errors = 0
-        bucket = TokenBucket(self.config.max_messages_per_second, burst_seconds=2.0)
+        proto = session.protocol
         try:
             async for frame in ws:
-                if not bucket.take():
-                    log.warning("agent.rate_limited", agent=session.id)
-                    await ws.close(protocol.CLOSE_RATE_LIMITED, "too many messages")
+                for event in proto.receive(frame, time.monotonic()):
+                    await self._on_event(session, event)
+                session.flush()
+                if await _close_if_asked(ws, proto):
                     return
-                try:
-                    await self._on_message(session, protocol.parse_client(frame, self.config.max_payload))
-                except ProtocolError as exc:
-                    metrics.PROTOCOL_ERRORS.labels(code=exc.code).inc()
-                    errors += 1
-                    if exc.fatal or errors > MAX_ERRORS_PER_CONNECTION:
-                        code = protocol.CLOSE_UNSUPPORTED_DATA if isinstance(frame, bytes) else protocol.CLOSE_PROTOCOL_ERROR
-                        await ws.close(code, _close_reason(exc.message) if exc.fatal else "too many protocol errors")
-                        return
-                    session.push(encode(Error(exc.code, exc.message)))
         except ConnectionClosed:
             pass
 
-    async def _on_message(self, session: AgentSession, msg: protocol.ClientMessage) -> None:
-        if isinstance(msg, protocol.Done | Failed):
+    async def _on_event(self, session: AgentSession, event: server_side.Event) -> None:
+        if isinstance(event, server_side.OutcomesReceived):
             # Fenced in the database by the lease token; acked either way.
-            self.d.submit(session, (msg,))
-        elif isinstance(msg, protocol.Results):
-            self.d.submit(session, msg.outcomes)
-        elif isinstance(msg, Heartbeat):
-            held = [i for i in msg.ids if i in session.inflight]
-            if held:
-                try:
-                    await self.d.heartbeat(session, tuple(held))
-                except db.RETRYABLE_ERRORS as exc:
-                    # The database is away: the next heartbeat extends the lease.
-                    log.warning("heartbeat.failed", agent=session.id, error=str(exc))
-            if len(held) < len(msg.ids):
-                foreign = sorted(set(msg.ids) - set(held))[:20]
-                raise ProtocolError(protocol.NOT_HELD, f"heartbeat for jobs not leased to this connection: {foreign}")
-        elif isinstance(msg, Drain):
+            self.d.submit(session, event.outcomes, event.freed)
+        elif isinstance(event, server_side.HeartbeatReceived):
+            try:
+                await self.d.heartbeat(session, event.ids)
+            except db.RETRYABLE_ERRORS as exc:
+                # The database is away: the next heartbeat extends the lease.
+                log.warning("heartbeat.failed", agent=session.id, error=str(exc))
+        elif isinstance(event, server_side.DrainRequested):
             self.d.set_draining(session)
-        else:  # a second hello
-            raise ProtocolError(protocol.UNEXPECTED, "hello was already received on this connection")
+        else:
+            self._refused([event])
+
+    def _refused(self, events: list[server_side.Event]) -> None:
+        for event in events:
+            if isinstance(event, server_side.FrameRefused):
+                metrics.PROTOCOL_ERRORS.labels(code=event.code).inc()
 
 
-class TokenBucket:
-    """``rate`` events per second on average, bursts of ``rate * burst_seconds``."""
-
-    def __init__(self, rate: float, burst_seconds: float):
-        self.rate, self.capacity = rate, rate * burst_seconds
-        self.tokens, self.stamp = self.capacity, time.monotonic()
-
-    def take(self) -> bool:
-        now = time.monotonic()
-        self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
-
-
-async def _writer(ws: ServerConnection, outbox: Any) -> None:
+async def _writer(ws: ServerConnection, proto: ServerProtocol, wake: list[anyio.Event]) -> None:
+    """Send what the protocol queued whenever the dispatcher or the reader flushes."""
     try:
-        async for frame in outbox:
-            await ws.send(frame)
+        while True:
+            await wake[0].wait()
+            wake[0] = anyio.Event()
+            await _send_all(ws, proto)
     except ConnectionClosed:
         pass
 
 
-async def _send_quietly(ws: ServerConnection, frame: str) -> None:
-    try:
+async def _send_all(ws: ServerConnection, proto: ServerProtocol) -> None:
+    for frame in proto.frames_to_send():
         await ws.send(frame)
+
+
+async def _close_if_asked(ws: ServerConnection, proto: ServerProtocol) -> bool:
+    """Send the protocol's last frames and its close, if it asks for one."""
+    close = proto.close_to_send()
+    if close is None:
+        return False
+    code, reason = close
+    if code is CloseCode.RATE_LIMITED:
+        log.warning("agent.rate_limited", remote=_remote(ws))
+    try:
+        await _send_all(ws, proto)
     except ConnectionClosed:
         pass
-
-
-def _close_reason(text: str) -> str:
-    """At most 123 bytes of UTF-8: a close frame holds 125, two of them the code."""
-    return text.encode()[:123].decode(errors="ignore")
+    await ws.close(code, reason)
+    return True
 
 
 def _response(status: HTTPStatus, body: bytes, content_type: str,

@@ -1,26 +1,32 @@
 """``gpuq bench``: reproducible performance figures, each ending in one JSON line.
 
-``register(parser)`` adds the benches as sub-commands of the ``gpuq bench``
-parser; each sets ``bench=fn`` where ``fn(args) -> int`` runs synchronously.
+The CLI hands ``gpuq bench ...`` to ``main(argv)`` without importing any bench
+module first: ``gpuq --help`` and ``gpuq agent`` load none of them. ``register``
+adds every bench as a sub-command; each sets ``bench=fn``, ``fn(args) -> int``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+from collections.abc import Sequence
 
-from gpuq.bench import agents, chaos, fuzz, latency, lease_history, raw, soak, throughput
+# Bench name -> module; the order of ``gpuq bench --help``.
+MODULES = ("lease_history", "raw", "throughput", "chaos", "soak", "fuzz", "latency", "agents")
 
 
 def register(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_name", required=True, metavar="BENCH")
-    lease_history.register(sub)
-    raw.register(sub)
-    throughput.register(sub)
-    chaos.register(sub)
-    soak.register(sub)
-    fuzz.register(sub)
-    latency.register(sub)
-    agents.register(sub)
+    for name in MODULES:
+        importlib.import_module(f"gpuq.bench.{name}").register(sub)
 
 
-__all__ = ["register"]
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="gpuq bench", description="Benchmarks (see docs/benchmarks.md); "
+                                     "each prints a table and, last, one JSON line.")
+    register(parser)
+    args = parser.parse_args(argv)
+    return int(args.bench(args))
+
+
+__all__ = ["MODULES", "main", "register"]

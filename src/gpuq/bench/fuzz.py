@@ -164,11 +164,11 @@ class Client:
                     raise AssertionError(f"unexpected reply {reply!r} to {frame!r:.200}")
                 if reply["type"] == "error" and reply["code"] not in KNOWN_ERRORS:
                     raise AssertionError(f"undocumented error code {reply['code']!r}")
-                if reply["type"] == "error" and reply["code"] == protocol.NOT_HELD and str(protocol.MAX_JOB_ID) in reply["message"]:
+                if reply["type"] == "error" and reply["code"] == protocol.ErrorCode.NOT_HELD and str(protocol.MAX_JOB_ID) in reply["message"]:
                     return  # the sentinel's answer: everything before it was handled
         except ConnectionClosed as exc:
             code = exc.rcvd.code if exc.rcvd else None
-            if code not in protocol.CLOSE_CODES:
+            if code not in _CLOSE_CODES:
                 raise AssertionError(f"closed with undocumented code {code} after {frame!r:.200}") from None
             self.closes[code] = self.closes.get(code, 0) + 1
             self.ws = None
@@ -180,8 +180,8 @@ class Client:
             self.ws.close()
 
 
-KNOWN_ERRORS = {protocol.BAD_JSON, protocol.BAD_MESSAGE, protocol.UNKNOWN_TYPE, protocol.UNEXPECTED,
-                protocol.TOO_LARGE, protocol.NOT_HELD}
+KNOWN_ERRORS = {code.value for code in protocol.ErrorCode}
+_CLOSE_CODES = {code.value for code in protocol.CloseCode}
 
 
 async def prepare(dsn: str) -> dict[str, Any]:

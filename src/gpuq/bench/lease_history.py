@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuq import queue
+from gpuq import plans, queue
 from gpuq.bench.common import (
     add_common_args,
     median,
@@ -172,12 +172,12 @@ async def run(dsn: str, done_sizes: list[int], batch: int, repeat: int,
             row: dict[str, Any] = {"done": done}
             for variant in (GPUQ, NAIVE, NAIVE_PLANNER):
                 plan, times = await _measure(conn, batch, repeat, budget, variant)
-                row[f"{variant}_buffers"] = queue.plan_buffers(plan)
+                row[f"{variant}_buffers"] = plans.plan_buffers(plan)
                 row[f"{variant}_ms"] = round(median(times), 3)
                 row[f"{variant}_runs"] = len(times)
-                row[f"{variant}_scans"] = sorted(queue.plan_indexes(plan))
+                row[f"{variant}_scans"] = sorted(plans.plan_indexes(plan))
                 if variant == GPUQ:
-                    row["gpuq_pick_buffers"] = queue.plan_buffers(plan, reads_only=True)
+                    row["gpuq_pick_buffers"] = plans.plan_buffers(plan, reads_only=True)
             row["build_s"] = round(build_s, 1)
             rows.append(row)
             await conn.execute(_NAIVE_DROP)
@@ -256,7 +256,7 @@ async def _measure(conn: Any, batch: int, repeat: int, budget: float,
     if naive:
         plan, _ms = await rolled_back(lambda: _explain_naive(conn, batch))
     else:  # its own rolled-back transaction
-        plan = await queue.explain_lease(conn, [KIND], batch)
+        plan = await plans.explain_lease(conn, [KIND], batch)
     times: list[float] = []
     while len(times) < repeat and (len(times) < 5 or sum(times) < budget * 1000):
         times.append((await rolled_back(lease_once))[1])

@@ -7,13 +7,13 @@ Each agent is a ``gpuq.agent.Agent`` with its own connection, named
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
 import anyio
 
 from gpuq.agent import Agent
 from gpuq.cli import load_handler
+from gpuq.signals import stop_on_signal
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -22,14 +22,7 @@ async def run(args: argparse.Namespace) -> None:
                     f"swarm-{args.first + i}", reconnect_min=0.5, reconnect_max=5.0)
               for i in range(args.count)]
     async with anyio.create_task_group() as tg:
-        async def watch() -> None:
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for _ in signals:
-                    for a in agents:
-                        a.stop()
-                    return
-
-        tg.start_soon(watch)
+        tg.start_soon(stop_on_signal, *(a.stop for a in agents))
         async with anyio.create_task_group() as inner:
             for a in agents:
                 inner.start_soon(a.run)

@@ -1,12 +1,11 @@
-"""The agent protocol: message types, strict parsing, encoding. No I/O here.
+"""The agent protocol's messages: types, strict parsing, encoding. No I/O, no state.
 
-JSON text frames over one websocket, versioned by ``PROTOCOL_VERSION``. The
-full reference, with every close code, is docs/protocol.md.
-
-Parsing is strict: an unknown type, a missing or extra field, a value of the
-wrong type or out of range is a ``ProtocolError`` carrying the error code the
-server sends back. ``fatal`` errors (anything wrong with ``hello``) close the
-connection; the others are answered with ``error`` and the connection goes on.
+JSON text frames over one websocket (docs/protocol.md). Parsing is strict: an
+unknown type, a missing or extra field, a value of the wrong type or out of
+range is a ``ProtocolError`` carrying the error code the server sends back.
+A ``fatal`` error (a binary frame, anything wrong with a ``hello``) means the
+connection must close; what each side then does is ``server_side`` and
+``agent_side``'s rule.
 """
 
 from __future__ import annotations
@@ -17,53 +16,22 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from gpuq.queue import KIND_PATTERN as KIND  # one rule for kinds: the table's CHECK, mirrored
-
-PROTOCOL_VERSION = 1
-
-# Close codes (4000-4999 are the application's own range).
-CLOSE_NORMAL = 1000
-CLOSE_GOING_AWAY = 1001  # server shutting down: reconnect (to another replica)
-CLOSE_UNSUPPORTED_DATA = 1003  # binary frame
-CLOSE_TOO_BIG = 1009  # frame over the size limit (sent by the websocket layer)
-CLOSE_PROTOCOL_ERROR = 4000  # bad or missing hello, or too many errors
-CLOSE_HELLO_TIMEOUT = 4002  # no hello within the deadline
-CLOSE_UNSUPPORTED_VERSION = 4003
-CLOSE_RATE_LIMITED = 4008
-CLOSE_CODES = {
-    CLOSE_NORMAL: "normal closure",
-    CLOSE_GOING_AWAY: "server going away",
-    CLOSE_UNSUPPORTED_DATA: "binary frames are not supported",
-    CLOSE_TOO_BIG: "frame too big",
-    CLOSE_PROTOCOL_ERROR: "protocol error",
-    CLOSE_HELLO_TIMEOUT: "no hello in time",
-    CLOSE_UNSUPPORTED_VERSION: "unsupported protocol version",
-    CLOSE_RATE_LIMITED: "too many messages",
-}
-
-# Error codes of ``error`` messages.
-BAD_JSON = "bad_json"
-BAD_MESSAGE = "bad_message"  # not an object, missing/extra field, wrong type
-UNKNOWN_TYPE = "unknown_type"
-UNEXPECTED = "unexpected"  # a valid message at the wrong time (e.g. a second hello)
-TOO_LARGE = "too_large"
-NOT_HELD = "not_held"  # a result or heartbeat for a job this connection does not hold
+from gpuq.kinds import KIND_RULE, is_kind
+from gpuq.protocol.codes import (
+    MAX_CAPACITY,
+    MAX_ERROR_TEXT,
+    MAX_HEARTBEAT_IDS,
+    MAX_JOB_ID,
+    MAX_KINDS,
+    MAX_RESULTS,
+    PROTOCOL_VERSION,
+    CloseCode,
+    ErrorCode,
+    ProtocolError,
+)
 
 AGENT_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
-MAX_KINDS = 64
-MAX_CAPACITY = 4096
-MAX_ERROR_TEXT = 8192
-MAX_HEARTBEAT_IDS = 4096
-MAX_JOB_ID = 2**63 - 1
-MAX_RESULTS = 4096  # outcomes in one ``results`` message
-
-
-class ProtocolError(Exception):
-    def __init__(self, code: str, message: str, fatal: bool = False):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.fatal = fatal
+BAD_MESSAGE = ErrorCode.BAD_MESSAGE
 
 
 # --------------------------------------------------------------------------
@@ -117,14 +85,15 @@ ClientMessage = Hello | Done | Failed | Results | Heartbeat | Drain
 def parse_client(frame: str | bytes, max_size: int) -> ClientMessage:
     """Parse one frame from an agent, or raise ``ProtocolError``."""
     if isinstance(frame, bytes):
-        raise ProtocolError(BAD_MESSAGE, "binary frames are not supported; send JSON text", fatal=True)
+        raise ProtocolError(BAD_MESSAGE, "binary frames are not supported; send JSON text", fatal=True,
+                            close=CloseCode.UNSUPPORTED_DATA)
     if len(frame) > max_size:
-        raise ProtocolError(TOO_LARGE, f"frame of {len(frame)} bytes is over the limit of {max_size}")
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"frame of {len(frame)} bytes is over the limit of {max_size}")
     obj = _load(frame)
     kind = obj.get("type")
     fields = _CLIENT_FIELDS.get(kind) if isinstance(kind, str) else None
     if fields is None:
-        raise ProtocolError(UNKNOWN_TYPE, f"unknown message type {kind!r}; expected one of "
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r}; expected one of "
                             f"{', '.join(sorted(_CLIENT_FIELDS))}", fatal=kind == "hello")
     _exact_fields(obj, fields, fatal=kind == "hello")
     if kind == "hello":
@@ -218,7 +187,7 @@ def job_message(job_id: int, lease_token: str, kind: str, payload_json: str, att
     """One pushed job, as JSON, around a payload that is JSON text already (from PostgreSQL).
 
     Spliced, not encoded: the lease token is PostgreSQL's uuid text and the
-    kind matches the table's CHECK (``KIND``: letters, digits, ``_.:/-``), so
+    kind matches the table's CHECK (``gpuq.kinds``: letters, digits, ``_.:/-``), so
     neither needs escaping. Building this in the lease statement with
     json_build_object cost PostgreSQL 2.9 us per job, this costs Python 0.5.
     """
@@ -234,15 +203,15 @@ def _hello(obj: dict[str, Any]) -> Hello:
     version = obj["protocol"]
     if version != PROTOCOL_VERSION or isinstance(version, bool):
         raise ProtocolError(BAD_MESSAGE, f"protocol {version!r} is not supported; this server speaks "
-                            f"{PROTOCOL_VERSION}", fatal=True)
+                            f"{PROTOCOL_VERSION}", fatal=True, close=CloseCode.UNSUPPORTED_VERSION)
     agent, kinds, capacity = obj["agent"], obj["kinds"], obj["capacity"]
     if not isinstance(agent, str) or not AGENT_NAME.fullmatch(agent):
         raise ProtocolError(BAD_MESSAGE, "hello.agent must be 1-64 characters of A-Z a-z 0-9 _ . : @ -",
                             fatal=True)
     if (not isinstance(kinds, list) or not 1 <= len(kinds) <= MAX_KINDS
-            or not all(isinstance(k, str) and KIND.fullmatch(k) for k in kinds)):
+            or not all(is_kind(k) for k in kinds)):
         raise ProtocolError(BAD_MESSAGE, f"hello.kinds must be a list of 1-{MAX_KINDS} job kinds "
-                            "(1-128 characters of A-Z a-z 0-9 _ . : / -)", fatal=True)
+                            f"({KIND_RULE})", fatal=True)
     if not _is_int(capacity) or not 1 <= capacity <= MAX_CAPACITY:
         raise ProtocolError(BAD_MESSAGE, f"hello.capacity must be an integer 1-{MAX_CAPACITY}", fatal=True)
     return Hello(agent, tuple(dict.fromkeys(kinds)), capacity, version)
@@ -366,7 +335,7 @@ def parse_server(frame: str | bytes) -> ServerMessage:
             return Error(str(obj["code"]), str(obj["message"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(BAD_MESSAGE, f"malformed {kind} message from the server: {exc}") from None
-    raise ProtocolError(UNKNOWN_TYPE, f"unknown message type {kind!r} from the server")
+    raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r} from the server")
 
 
 # --------------------------------------------------------------------------
@@ -378,7 +347,7 @@ def _load(frame: str) -> dict[str, Any]:
     try:
         obj = _DECODER.decode(frame)
     except (ValueError, RecursionError) as exc:
-        raise ProtocolError(BAD_JSON, f"frame is not valid JSON: {exc}") from None
+        raise ProtocolError(ErrorCode.BAD_JSON, f"frame is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise ProtocolError(BAD_MESSAGE, "a message must be a JSON object with a 'type' field")
     return obj

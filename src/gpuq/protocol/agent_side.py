@@ -1,0 +1,183 @@
+"""The agent's side of the protocol, as a state machine without I/O.
+
+One ``AgentProtocol`` lives as long as the agent, across reconnects: the jobs
+it runs and the outcomes the server has not acknowledged survive a dropped
+connection. ``connection_made()`` starts each connection with ``hello``; the
+I/O layer (``gpuq.agent``) feeds frames to ``receive()`` and sends what
+``frames_to_send()`` returns. The rules:
+
+- the first frame from the server must be ``welcome``; then the outcomes not
+  yet acknowledged are sent again (fencing makes a repeat harmless);
+- an outcome is kept until an ``ack`` names its job;
+- outcomes ready at once go out in as few ``results`` frames as fit
+  ``max_payload``; a result the server could not take (not JSON, too large,
+  U+0000) becomes a permanent ``failed`` instead;
+- after ``drain()`` the agent is ``finished`` once nothing runs and every
+  outcome is acknowledged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from gpuq.protocol.codes import ErrorCode, ProtocolError
+from gpuq.protocol.messages import (
+    RESULTS_OVERHEAD,
+    Ack,
+    Drain,
+    Error,
+    Failed,
+    Heartbeat,
+    Hello,
+    JobMessage,
+    Jobs,
+    ServerDrain,
+    Welcome,
+    contains_nul,
+    encode,
+    encode_done,
+    pack_results,
+    parse_client,
+    parse_server,
+)
+
+
+class State(Enum):
+    DISCONNECTED = "disconnected"
+    AWAITING_WELCOME = "awaiting_welcome"
+    OPEN = "open"
+
+
+@dataclass(frozen=True, slots=True)
+class Welcomed:
+    welcome: Welcome
+
+
+@dataclass(frozen=True, slots=True)
+class JobsReceived:
+    jobs: list[JobMessage]
+
+
+@dataclass(frozen=True, slots=True)
+class Acked:
+    accepted: tuple[int, ...]
+    rejected: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerDraining:
+    deadline_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class ServerError:
+    code: str
+    message: str
+
+
+Event = Welcomed | JobsReceived | Acked | ServerDraining | ServerError
+
+
+class AgentProtocol:
+    def __init__(self, hello: Hello):
+        parse_client(encode(hello), 1 << 20)  # the server's rules, checked before connecting
+        self.hello = hello
+        self.state = State.DISCONNECTED
+        self.running: dict[int, JobMessage] = {}
+        self.unacked: dict[int, str] = {}  # job id -> encoded outcome, until the server acks
+        self.completed = 0  # outcomes the server accepted
+        self.draining = False
+        self.max_frame = 1 << 20  # the server's max_payload, from its welcome
+        self._control: list[str] = []
+        self._outcomes: list[str] = []  # encoded outcomes not sent yet on this connection
+
+    @property
+    def finished(self) -> bool:
+        """Draining, nothing running, every outcome acknowledged: the agent may leave."""
+        return self.draining and not self.running and not self.unacked
+
+    # -- connection ----------------------------------------------------------
+
+    def connection_made(self) -> None:
+        self.state = State.AWAITING_WELCOME
+        self._control, self._outcomes = [encode(self.hello)], []
+
+    def connection_lost(self) -> None:
+        self.state = State.DISCONNECTED
+
+    def receive(self, frame: str | bytes) -> Event:
+        msg = parse_server(frame)
+        if self.state is State.AWAITING_WELCOME:
+            if not isinstance(msg, Welcome):
+                raise ProtocolError(ErrorCode.UNEXPECTED, f"expected welcome, got {msg}")
+            self.state, self.max_frame = State.OPEN, msg.max_payload
+            self._outcomes = list(self.unacked.values())  # what the last connection did not see acked
+            if self.draining:
+                self._control.append(encode(Drain()))
+            return Welcomed(msg)
+        if isinstance(msg, Jobs):
+            jobs = list(msg.jobs)
+            for job in jobs:
+                self.running[job.id] = job
+            return JobsReceived(jobs)
+        if isinstance(msg, Ack):
+            for i in (*msg.accepted, *msg.rejected):
+                self.unacked.pop(i, None)
+            self.completed += len(msg.accepted)
+            return Acked(msg.accepted, msg.rejected)
+        if isinstance(msg, ServerDrain):
+            return ServerDraining(msg.deadline_seconds)
+        if isinstance(msg, Error):
+            return ServerError(msg.code, msg.message)
+        raise ProtocolError(ErrorCode.UNEXPECTED, f"a second welcome: {msg}")
+
+    # -- outcomes ------------------------------------------------------------
+
+    def job_done(self, job: JobMessage, result: Any) -> None:
+        self._finish(job, self._done(job, result))
+
+    def job_failed(self, job: JobMessage, error: str, retryable: bool) -> None:
+        self._finish(job, encode(Failed(job.id, job.lease_token, error, retryable)))
+
+    def _finish(self, job: JobMessage, item: str) -> None:
+        self.running.pop(job.id, None)
+        self.unacked[job.id] = item
+        self._outcomes.append(item)
+
+    def _done(self, job: JobMessage, result: Any) -> str:
+        """The encoded ``done``, or a permanent ``failed`` for a result the server could not take."""
+        limit = self.max_frame - RESULTS_OVERHEAD
+        try:
+            item = encode_done(job.id, job.lease_token, result)
+        except (TypeError, ValueError) as exc:
+            return encode(Failed(job.id, job.lease_token, f"result is not JSON-serializable: {exc}", False))
+        if len(item) > limit:
+            return encode(Failed(job.id, job.lease_token, f"result of {len(item)} bytes is over the server's "
+                                 f"limit of {limit} bytes", False))
+        if "\\u0000" in item and contains_nul(result):
+            return encode(Failed(job.id, job.lease_token, "result contains the character U+0000, which "
+                                 "PostgreSQL cannot store in jsonb", False))
+        return item
+
+    # -- control -------------------------------------------------------------
+
+    def heartbeat(self) -> None:
+        """Extend the leases of the running jobs (nothing to send when none runs)."""
+        if self.running:
+            self._control.append(encode(Heartbeat(tuple(self.running))))
+
+    def drain(self) -> None:
+        """Ask for no more jobs: the agent is finishing and leaving."""
+        self.draining = True
+        if self.state is State.OPEN:
+            self._control.append(encode(Drain()))
+
+    def frames_to_send(self) -> list[str]:
+        if self.state is not State.OPEN:
+            out, self._control = self._control, []  # the hello, nothing else before the welcome
+            return out
+        out = self._control + pack_results(self._outcomes, self.max_frame)
+        self._control, self._outcomes = [], []
+        return out

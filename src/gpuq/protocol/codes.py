@@ -1,0 +1,51 @@
+"""The protocol's version, limits, close codes and error codes (docs/protocol.md)."""
+
+from __future__ import annotations
+
+from enum import IntEnum, StrEnum
+
+PROTOCOL_VERSION = 1
+
+MAX_KINDS = 64
+MAX_CAPACITY = 4096
+MAX_ERROR_TEXT = 8192
+MAX_HEARTBEAT_IDS = 4096
+MAX_JOB_ID = 2**63 - 1
+MAX_RESULTS = 4096  # outcomes in one ``results`` message
+
+
+class CloseCode(IntEnum):
+    """Websocket close codes; 4000-4999 are the application's own range."""
+
+    NORMAL = 1000
+    GOING_AWAY = 1001  # server shutting down: reconnect (to another replica)
+    UNSUPPORTED_DATA = 1003  # binary frame
+    TOO_BIG = 1009  # frame over the size limit (sent by the websocket layer)
+    PROTOCOL_ERROR = 4000  # bad or missing hello, a fatal error, or too many errors
+    HELLO_TIMEOUT = 4002  # no hello within the deadline
+    UNSUPPORTED_VERSION = 4003
+    RATE_LIMITED = 4008
+
+
+class ErrorCode(StrEnum):
+    """The ``code`` of an ``error`` message: the frame was refused, the connection goes on."""
+
+    BAD_JSON = "bad_json"
+    BAD_MESSAGE = "bad_message"  # not an object, missing/extra field, wrong type, out of range
+    UNKNOWN_TYPE = "unknown_type"
+    UNEXPECTED = "unexpected"  # a valid message at the wrong time (a second hello)
+    TOO_LARGE = "too_large"
+    NOT_HELD = "not_held"  # a heartbeat for a job this connection does not hold
+
+
+class ProtocolError(Exception):
+    """A refused frame. ``fatal``: the connection must close, with ``close`` where the
+    error itself decides the code (a binary frame, an unsupported version)."""
+
+    def __init__(self, code: ErrorCode, message: str, fatal: bool = False,
+                 close: CloseCode = CloseCode.PROTOCOL_ERROR):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.fatal = fatal
+        self.close = close

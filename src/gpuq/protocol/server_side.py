@@ -1,0 +1,259 @@
+"""The server's side of one agent connection, as a state machine without I/O.
+
+The I/O layer (``gpuq.server``) feeds it every frame with ``receive(frame, now)``
+and acts on what it returns: events for the dispatcher, ``frames_to_send()``
+for the socket and ``close_to_send()`` once the connection must end. The
+dispatcher queues jobs, acks and drains through it. Every rule of the
+connection lives here:
+
+- ``hello`` first, within ``hello_timeout`` (``check_deadline``); a bad one
+  closes (4003 for an unsupported version, else 4000) after an ``error``;
+- a refused frame is answered with ``error`` and the connection goes on, up
+  to ``max_errors``; a fatal one closes (1003 for a binary frame, else 4000);
+- at most ``max_messages_per_second`` frames per second, averaged over
+  ``burst_seconds``, else 4008;
+- credit: ``capacity`` minus the jobs held, none while draining; an outcome
+  whose token matches a held job frees its credit;
+- a heartbeat only for jobs this connection holds (``not_held``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol
+
+from gpuq.protocol.codes import CloseCode, ErrorCode, ProtocolError
+from gpuq.protocol.messages import (
+    Ack,
+    ClientMessage,
+    Done,
+    Drain,
+    Error,
+    Failed,
+    Heartbeat,
+    Hello,
+    Results,
+    ServerDrain,
+    Welcome,
+    encode,
+    job_message,
+    jobs_frame,
+    parse_client,
+)
+
+HELLO_TIMEOUT_SECONDS = 10.0
+MAX_ERRORS_PER_CONNECTION = 100  # then the connection is closed with 4000
+RATE_BURST_SECONDS = 2.0
+
+
+class State(Enum):
+    AWAITING_HELLO = "awaiting_hello"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+# -- events for the dispatcher ---------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HelloReceived:
+    hello: Hello
+
+
+@dataclass(frozen=True, slots=True)
+class OutcomesReceived:
+    """Outcomes to persist, each with its job's kind ('?' when not held here); ``freed`` credits."""
+
+    outcomes: list[tuple[Done | Failed, str]]
+    freed: int
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatReceived:
+    ids: tuple[int, ...]  # only jobs this connection holds
+
+
+@dataclass(frozen=True, slots=True)
+class DrainRequested:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class FrameRefused:
+    """A frame got an ``error`` (or closed the connection): for metrics and logs."""
+
+    code: ErrorCode
+    message: str
+
+
+Event = HelloReceived | OutcomesReceived | HeartbeatReceived | DrainRequested | FrameRefused
+
+
+class PushedJob(Protocol):
+    """What a leased job must offer to be pushed (``queue.LeasedJob`` does)."""
+
+    id: int
+    lease_token: str
+    kind: str
+    payload_json: str
+    attempt: int
+
+
+class TokenBucket:
+    """``rate`` events per second on average, bursts of ``rate * burst_seconds``."""
+
+    def __init__(self, rate: float, burst_seconds: float, now: float):
+        self.rate, self.capacity = rate, rate * burst_seconds
+        self.tokens, self.stamp = self.capacity, now
+
+    def take(self, now: float) -> bool:
+        self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+class ServerProtocol:
+    def __init__(self, *, max_payload: int, max_messages_per_second: float, now: float,
+                 hello_timeout: float = HELLO_TIMEOUT_SECONDS, max_errors: int = MAX_ERRORS_PER_CONNECTION):
+        self.state = State.AWAITING_HELLO
+        self.hello: Hello | None = None
+        self.hello_deadline = now + hello_timeout
+        self.max_payload = max_payload
+        self.max_errors = max_errors
+        self.errors = 0
+        self.draining = False
+        self.held: dict[int, tuple[str, str]] = {}  # job id -> (lease token, kind)
+        self._bucket = TokenBucket(max_messages_per_second, RATE_BURST_SECONDS, now)
+        self._out: list[str] = []
+        self._close: tuple[CloseCode, str] | None = None
+
+    # -- credit --------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self.hello.capacity if self.hello else 0
+
+    @property
+    def free(self) -> int:
+        """Jobs this connection may be given now."""
+        if self.draining or self.state is not State.OPEN:
+            return 0
+        return max(0, self.capacity - len(self.held))
+
+    # -- input ---------------------------------------------------------------
+
+    def receive(self, frame: str | bytes, now: float) -> list[Event]:
+        """Take one frame from the agent; return what the dispatcher must act on."""
+        if self.state is State.CLOSED:
+            return []
+        if self.state is State.OPEN and not self._bucket.take(now):
+            self._close_with(CloseCode.RATE_LIMITED, "too many messages")
+            return []
+        try:
+            msg = parse_client(frame, self.max_payload)
+            return self._hello(msg) if self.state is State.AWAITING_HELLO else self._message(msg)
+        except ProtocolError as exc:
+            return [self._refuse(exc)]
+
+    def check_deadline(self, now: float) -> None:
+        """Close with 4002 if no hello came before the deadline."""
+        if self.state is State.AWAITING_HELLO and now >= self.hello_deadline:
+            self._close_with(CloseCode.HELLO_TIMEOUT, "no hello in time")
+
+    def _hello(self, msg: ClientMessage) -> list[Event]:
+        if not isinstance(msg, Hello):
+            raise ProtocolError(ErrorCode.UNEXPECTED, "the first message must be hello", fatal=True)
+        self.hello, self.state = msg, State.OPEN
+        return [HelloReceived(msg)]
+
+    def _message(self, msg: ClientMessage) -> list[Event]:
+        if isinstance(msg, Done | Failed):
+            return [self._outcomes((msg,))]
+        if isinstance(msg, Results):
+            return [self._outcomes(msg.outcomes)]
+        if isinstance(msg, Heartbeat):
+            return self._heartbeat(msg.ids)
+        if isinstance(msg, Drain):
+            self.draining = True
+            return [DrainRequested()]
+        raise ProtocolError(ErrorCode.UNEXPECTED, "hello was already received on this connection")
+
+    def _outcomes(self, outcomes: tuple[Done | Failed, ...]) -> OutcomesReceived:
+        """Free the credit of each held job whose token matches. Any other outcome still
+        goes to the database (a resend after a reconnect can land): the token decides."""
+        held, items, freed = self.held, [], 0
+        for msg in outcomes:
+            entry = held.get(msg.id)
+            if entry is not None and entry[0] == msg.lease_token:
+                del held[msg.id]
+                freed += 1
+                items.append((msg, entry[1]))
+            else:
+                items.append((msg, "?"))
+        return OutcomesReceived(items, freed)
+
+    def _heartbeat(self, ids: tuple[int, ...]) -> list[Event]:
+        held = tuple(i for i in ids if i in self.held)
+        events: list[Event] = [HeartbeatReceived(held)] if held else []
+        if len(held) < len(ids):
+            foreign = sorted(set(ids) - set(held))[:20]
+            events.append(self._refuse(ProtocolError(
+                ErrorCode.NOT_HELD, f"heartbeat for jobs not leased to this connection: {foreign}")))
+        return events
+
+    def _refuse(self, exc: ProtocolError) -> FrameRefused:
+        self.errors += 1
+        if self.state is State.AWAITING_HELLO:
+            # Any bad first message ends the connection, and says why first.
+            self._out.append(encode(Error(exc.code, exc.message)))
+            self._close_with(exc.close if exc.close is CloseCode.UNSUPPORTED_VERSION
+                             else CloseCode.PROTOCOL_ERROR, exc.message)
+        elif exc.fatal:
+            self._close_with(exc.close if exc.close is CloseCode.UNSUPPORTED_DATA
+                             else CloseCode.PROTOCOL_ERROR, exc.message)
+        elif self.errors > self.max_errors:
+            self._close_with(CloseCode.PROTOCOL_ERROR, "too many protocol errors")
+        else:
+            self._out.append(encode(Error(exc.code, exc.message)))
+        return FrameRefused(exc.code, exc.message)
+
+    # -- output --------------------------------------------------------------
+
+    def accept(self, welcome: Welcome) -> None:
+        self._out.append(encode(welcome))
+
+    def send_jobs(self, jobs: list[Any]) -> None:
+        """Push leased jobs (``PushedJob``s): they are held, and take credit, until their outcome."""
+        held = self.held
+        for j in jobs:
+            held[j.id] = (j.lease_token, j.kind)
+        self._out.append(jobs_frame([job_message(j.id, j.lease_token, j.kind, j.payload_json, j.attempt)
+                                     for j in jobs]))
+
+    def send_ack(self, accepted: tuple[int, ...], rejected: tuple[int, ...]) -> None:
+        self._out.append(encode(Ack(accepted, rejected)))
+
+    def send_drain(self, deadline_seconds: float) -> None:
+        self._out.append(encode(ServerDrain(deadline_seconds)))
+
+    def frames_to_send(self) -> list[str]:
+        out, self._out = self._out, []
+        return out
+
+    def close_to_send(self) -> tuple[CloseCode, str] | None:
+        """The close code and reason once the connection must end; None while it goes on."""
+        return self._close
+
+    def _close_with(self, code: CloseCode, reason: str) -> None:
+        if self._close is None:
+            self._close = (code, close_reason(reason))
+        self.state = State.CLOSED
+
+
+def close_reason(text: str) -> str:
+    """At most 123 bytes of UTF-8: a close frame holds 125, two of them the code."""
+    return text.encode()[:123].decode(errors="ignore")

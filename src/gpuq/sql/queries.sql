@@ -1,0 +1,247 @@
+-- Every runtime statement of gpuq, by name. The schema lives in migrations/.
+--
+-- Format: a block starts with `-- name: NAME`, then one line of description,
+-- then the statement, written out in full so it can be pasted into psql as it
+-- runs. gpuq.sql loads this file once; a statement's text never changes
+-- between calls (asyncpg caches prepared statements by text).
+--
+-- Rules (docs/design.md explains each):
+-- * Hot statements reach rows only through a partial index over a live status
+--   (pending, leased, scheduled): O(rows returned), whatever the history.
+-- * Outcomes, heartbeats and releases by id find their rows by primary key and
+--   write their status test as `status::text = 'leased'`, so the planner
+--   cannot pick jobs_leased_idx (see "by-id fences" in docs/design.md).
+-- * Locked rows are updated by ctid: no primary-key descent per row.
+
+-- name: enqueue_plain
+-- Insert jobs from parallel arrays, in input order; returns their ids in that order.
+INSERT INTO gpuq.jobs (kind, payload, priority, max_attempts, run_at, status)
+SELECT kind, payload, priority, max_attempts, run_at,
+       CASE WHEN run_at > now() THEN 'scheduled'::gpuq.job_status ELSE 'pending' END
+FROM (
+    SELECT kind, coalesce(payload::jsonb, '{}'::jsonb) AS payload, priority, max_attempts,
+           coalesce(run_at, now() + make_interval(secs => delay)) AS run_at, ord
+    FROM unnest($1::text[], $2::text[], $3::smallint[], $4::int[], $5::timestamptz[],
+                $6::float8[], $7::text[])
+        WITH ORDINALITY AS t(kind, payload, priority, max_attempts, run_at, delay, dedup_key, ord)
+) AS input
+ORDER BY ord
+RETURNING id;
+
+-- name: enqueue_dedup
+-- Insert jobs with distinct dedup keys; a key with a live job gets that job's id (NULL if it committed after our snapshot).
+WITH input AS (
+    SELECT kind, coalesce(payload::jsonb, '{}'::jsonb) AS payload, priority, max_attempts,
+           coalesce(run_at, now() + make_interval(secs => delay)) AS run_at, dedup_key, ord
+    FROM unnest($1::text[], $2::text[], $3::smallint[], $4::int[], $5::timestamptz[],
+                $6::float8[], $7::text[])
+        WITH ORDINALITY AS t(kind, payload, priority, max_attempts, run_at, delay, dedup_key, ord)
+), ins AS (
+    INSERT INTO gpuq.jobs (kind, payload, priority, max_attempts, run_at, status, dedup_key)
+    SELECT kind, payload, priority, max_attempts, run_at,
+           CASE WHEN run_at > now() THEN 'scheduled'::gpuq.job_status ELSE 'pending' END, dedup_key
+    FROM input ORDER BY ord
+    ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL AND status IN ('pending', 'leased', 'scheduled')
+    DO NOTHING
+    RETURNING id, dedup_key
+)
+SELECT input.ord, coalesce(ins.id, live.id) AS id, ins.id IS NOT NULL AS inserted
+FROM input
+LEFT JOIN ins USING (dedup_key)
+LEFT JOIN gpuq.jobs live ON ins.id IS NULL AND live.dedup_key = input.dedup_key
+    AND live.status IN ('pending', 'leased', 'scheduled')
+ORDER BY input.ord;
+
+-- name: lease_slots
+-- Lease up to $2 jobs of kinds $1, pending first (phase 1) then expired leases (phase 2); the i-th goes to slot $3[i].
+WITH picked AS (
+    SELECT c.ctid, row_number() OVER (ORDER BY c.priority DESC, c.id) AS rn
+    FROM unnest($1::text[]) AS k(kind)
+    CROSS JOIN LATERAL (
+        SELECT ctid, id, priority FROM gpuq.jobs
+        WHERE status = 'pending' AND kind = k.kind
+        ORDER BY priority DESC, id
+        LIMIT $2
+        FOR UPDATE SKIP LOCKED
+    ) c
+    ORDER BY c.priority DESC, c.id
+    LIMIT $2
+), expired AS (
+    SELECT e.ctid, (SELECT count(*) FROM picked) + row_number() OVER (ORDER BY e.lease_expires_at, e.id) AS rn
+    FROM (
+        SELECT ctid, id, lease_expires_at FROM gpuq.jobs
+        WHERE status = 'leased' AND lease_expires_at < now() AND kind = ANY($1::text[])
+        ORDER BY lease_expires_at
+        LIMIT greatest($2 - (SELECT count(*) FROM picked), 0)
+        FOR UPDATE SKIP LOCKED
+    ) e
+), assigned AS (
+    SELECT p.ctid, p.phase, s.agent, s.slot
+    FROM (SELECT ctid, rn, 1 AS phase FROM picked UNION ALL SELECT ctid, rn, 2 FROM expired) p
+    JOIN unnest($3::text[]) WITH ORDINALITY AS s(agent, slot) ON s.slot = p.rn
+)
+UPDATE gpuq.jobs j
+SET status = CASE WHEN (a.phase = 2 AND j.attempts >= j.max_attempts) THEN 'dead'::gpuq.job_status ELSE 'leased' END,
+    attempts = CASE WHEN (a.phase = 2 AND j.attempts >= j.max_attempts) THEN j.attempts ELSE j.attempts + 1 END,
+    lease_token = CASE WHEN (a.phase = 2 AND j.attempts >= j.max_attempts) THEN j.lease_token ELSE gen_random_uuid() END,
+    leased_by = CASE WHEN (a.phase = 2 AND j.attempts >= j.max_attempts) THEN j.leased_by ELSE a.agent END,
+    lease_expires_at = CASE WHEN (a.phase = 2 AND j.attempts >= j.max_attempts) THEN j.lease_expires_at ELSE now() + make_interval(secs => $4) END,
+    started_at = CASE WHEN (a.phase = 2 AND j.attempts >= j.max_attempts) THEN j.started_at ELSE now() END,
+    finished_at = CASE WHEN (a.phase = 2 AND j.attempts >= j.max_attempts) THEN now() END,
+    last_error = CASE WHEN (a.phase = 2 AND j.attempts >= j.max_attempts) THEN 'lease expired after the last attempt' ELSE j.last_error END
+FROM assigned a
+WHERE j.ctid = a.ctid
+RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token,
+          j.priority, j.leased_by, j.payload::text AS payload_json, j.status, a.phase, a.slot;
+
+-- name: complete_many
+-- Mark jobs done where (id, lease_token) still holds the lease; returns the ids accepted.
+UPDATE gpuq.jobs j
+SET status = 'done', result = d.result::jsonb, finished_at = now(), lease_expires_at = NULL
+FROM unnest($1::bigint[], $2::uuid[], $3::text[]) AS d(id, token, result)
+WHERE j.id = d.id AND j.status::text = 'leased' AND j.lease_token = d.token
+RETURNING j.id;
+
+-- name: fail_many
+-- Record fenced failures: retryable with attempts left -> scheduled after a capped, jittered backoff; else dead.
+WITH f AS (
+    SELECT * FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::bool[]) AS f(id, token, error, retryable)
+)
+UPDATE gpuq.jobs j
+SET status = CASE WHEN f.retryable AND j.attempts < j.max_attempts
+                  THEN 'scheduled'::gpuq.job_status ELSE 'dead' END,
+    run_at = CASE WHEN f.retryable AND j.attempts < j.max_attempts
+                  THEN now() + make_interval(secs => least($6::float8, $5::float8 * power(2, j.attempts - 1))
+                                                     * (1 - $7::float8 * random()))
+                  ELSE j.run_at END,
+    finished_at = CASE WHEN f.retryable AND j.attempts < j.max_attempts THEN NULL ELSE now() END,
+    last_error = f.error, lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
+FROM f
+WHERE j.id = f.id AND j.status::text = 'leased' AND j.lease_token = f.token
+RETURNING j.id, j.status, j.run_at;
+
+-- name: heartbeat
+-- Extend the leases agent $2 holds on ids $1 by $3 seconds; returns the ids extended.
+UPDATE gpuq.jobs
+SET lease_expires_at = now() + make_interval(secs => $3)
+WHERE id = ANY($1::bigint[]) AND status::text = 'leased' AND leased_by = $2
+RETURNING id;
+
+-- name: release_agent
+-- An agent left: its leased jobs go back to pending (dead, with error $2, when out of attempts).
+UPDATE gpuq.jobs j
+SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead'::gpuq.job_status ELSE 'pending' END,
+    finished_at = CASE WHEN j.attempts >= j.max_attempts THEN now() END,
+    last_error = CASE WHEN j.attempts >= j.max_attempts THEN $2 ELSE j.last_error END,
+    lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
+FROM (SELECT id FROM gpuq.jobs WHERE status = 'leased' AND leased_by = $1 FOR UPDATE) AS picked
+WHERE j.id = picked.id
+RETURNING j.id, j.kind, j.status;
+
+-- name: release_jobs
+-- Give up the leases on ids $1 (shutdown, undeliverable jobs): back to pending, or dead with error $2.
+UPDATE gpuq.jobs j
+SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead'::gpuq.job_status ELSE 'pending' END,
+    finished_at = CASE WHEN j.attempts >= j.max_attempts THEN now() END,
+    last_error = CASE WHEN j.attempts >= j.max_attempts THEN $2 ELSE j.last_error END,
+    lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
+FROM (SELECT id FROM gpuq.jobs WHERE status::text = 'leased' AND id = ANY($1::bigint[]) FOR UPDATE) AS picked
+WHERE j.id = picked.id
+RETURNING j.id, j.kind, j.status;
+
+-- name: reclaim_expired
+-- Up to $1 expired leases, oldest expiry first, back to pending (dead, with error $2, when out of attempts).
+UPDATE gpuq.jobs j
+SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead'::gpuq.job_status ELSE 'pending' END,
+    finished_at = CASE WHEN j.attempts >= j.max_attempts THEN now() END,
+    last_error = CASE WHEN j.attempts >= j.max_attempts THEN $2 ELSE j.last_error END,
+    lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
+FROM (SELECT id FROM gpuq.jobs WHERE status = 'leased' AND lease_expires_at < now()
+      ORDER BY lease_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED) AS picked
+WHERE j.id = picked.id
+RETURNING j.id, j.kind, j.status;
+
+-- name: promote_due
+-- Up to $1 scheduled jobs whose run_at has come become pending.
+UPDATE gpuq.jobs j SET status = 'pending'
+FROM (SELECT id FROM gpuq.jobs WHERE status = 'scheduled' AND run_at <= now()
+      ORDER BY run_at LIMIT $1 FOR UPDATE SKIP LOCKED) AS due
+WHERE j.id = due.id
+RETURNING j.id, j.kind, j.status;
+
+-- name: notify
+-- Wake the dispatchers for the comma-joined kinds $1 ('*': every kind).
+SELECT pg_notify('gpuq_jobs', $1);
+
+-- name: cancel
+-- Cancel a live job: it becomes dead, and a running agent's result is then fenced out.
+UPDATE gpuq.jobs
+SET status = 'dead', last_error = 'cancelled', finished_at = now(),
+    lease_token = NULL, lease_expires_at = NULL
+WHERE id = $1 AND status IN ('pending', 'leased', 'scheduled')
+RETURNING id;
+
+-- name: prune_window
+-- Delete done/dead rows finished over $3 seconds ago among ids [$1, $2); says whether the window reached young rows.
+WITH w AS (
+    SELECT id, status, finished_at, created_at FROM gpuq.jobs WHERE id >= $1 AND id < $2
+), del AS (
+    DELETE FROM gpuq.jobs j USING w
+    WHERE j.id = w.id AND w.status IN ('done', 'dead') AND w.finished_at < now() - make_interval(secs => $3)
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM del) AS deleted,
+       coalesce((SELECT bool_or(created_at >= now() - make_interval(secs => $3)) FROM w), false) AS reached_young,
+       (SELECT max(id) FROM gpuq.jobs) AS max_id;
+
+-- name: min_job_id
+-- The oldest job id (the primary key's first entry), where retention starts.
+SELECT min(id) FROM gpuq.jobs;
+
+-- name: status_counts
+-- Live counts and the oldest row per state and kind, each branch from its own partial index.
+SELECT 'pending' AS status, kind, count(*) AS n, min(created_at) AS oldest
+  FROM gpuq.jobs WHERE status = 'pending' GROUP BY kind
+UNION ALL
+SELECT 'leased', kind, count(*), min(started_at) FROM gpuq.jobs WHERE status = 'leased' GROUP BY kind
+UNION ALL
+SELECT 'scheduled', kind, count(*), min(run_at) FROM gpuq.jobs WHERE status = 'scheduled' GROUP BY kind;
+
+-- name: table_estimate
+-- The planner's row estimate of gpuq.jobs (O(1), approximate) and the server's clock.
+SELECT greatest(c.reltuples, 0)::bigint AS estimate, now() AS now FROM pg_class c
+WHERE c.oid = 'gpuq.jobs'::regclass;
+
+-- name: ping
+-- Is the connection alive?
+SELECT 1;
+
+-- name: migrations_lock
+-- Take the session advisory lock that makes concurrent migrators take turns (key $1).
+SELECT pg_advisory_lock($1);
+
+-- name: migrations_unlock
+-- Release the migrators' advisory lock (key $1).
+SELECT pg_advisory_unlock($1);
+
+-- name: migrations_bootstrap
+-- The schema and the table that records applied migrations.
+CREATE SCHEMA IF NOT EXISTS gpuq;
+CREATE TABLE IF NOT EXISTS gpuq.schema_migrations (
+    version    text PRIMARY KEY,
+    name       text NOT NULL,
+    checksum   text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- name: migrations_tracked
+-- Whether the migrations table exists (an unmigrated database has none).
+SELECT to_regclass('gpuq.schema_migrations') IS NOT NULL;
+
+-- name: migrations_applied
+-- Applied migrations and their checksums.
+SELECT version, checksum FROM gpuq.schema_migrations;
+
+-- name: migration_record
+-- Record migration $1 ($2, checksum $3) as applied.
+INSERT INTO gpuq.schema_migrations (version, name, checksum) VALUES ($1, $2, $3);

@@ -1,0 +1,45 @@
+"""sql/queries.sql: the named statements, each prepared against a migrated schema."""
+
+import re
+from importlib import resources
+
+import pytest
+
+from gpuq import sql
+from gpuq.sql import queries
+
+NAMES = {
+    "enqueue_plain", "enqueue_dedup", "lease_slots", "complete_many", "fail_many", "heartbeat",
+    "release_agent", "release_jobs", "reclaim_expired", "promote_due", "notify", "cancel",
+    "prune_window", "min_job_id", "status_counts", "table_estimate", "ping",
+    "migrations_lock", "migrations_unlock", "migrations_bootstrap", "migrations_tracked",
+    "migrations_applied", "migration_record",
+}
+MULTI_STATEMENT = {"migrations_bootstrap"}  # run as a simple query, never prepared
+
+
+def test_the_file_holds_exactly_the_named_statements():
+    assert set(queries) == NAMES
+
+
+def test_every_statement_has_a_one_line_description():
+    text = resources.files("gpuq.sql").joinpath("queries.sql").read_text()
+    described = sql.descriptions(text)
+    assert set(described) == NAMES
+    assert all(len(d) > 10 for d in described.values())
+
+
+def test_a_repeated_name_or_an_empty_block_is_refused():
+    with pytest.raises(ValueError, match="twice"):
+        sql.parse("-- name: a\n-- one\nSELECT 1;\n-- name: a\n-- two\nSELECT 2;\n")
+    with pytest.raises(ValueError, match="no statement"):
+        sql.parse("-- name: a\n-- one\n")
+
+
+async def test_every_statement_prepares_against_the_migrated_schema(conn):
+    for name, statement in queries.items():
+        if name in MULTI_STATEMENT:
+            continue
+        prepared = await conn.prepare(statement)  # raises on any error in the SQL
+        used = {int(n) for n in re.findall(r"\$(\d+)", statement)}
+        assert len(prepared.get_parameters()) == max(used, default=0), name

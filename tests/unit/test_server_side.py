@@ -1,0 +1,179 @@
+"""The server's side of the agent protocol as a state machine: no socket, no database."""
+
+import json
+
+import pytest
+
+from gpuq.protocol import CloseCode, ErrorCode, Hello, Welcome, encode
+from gpuq.protocol.server_side import (
+    DrainRequested,
+    FrameRefused,
+    HeartbeatReceived,
+    HelloReceived,
+    OutcomesReceived,
+    ServerProtocol,
+    State,
+)
+
+TOKEN = "00000000-0000-0000-0000-000000000000"
+HELLO = json.dumps({"type": "hello", "agent": "a", "kinds": ["embed"], "capacity": 2, "protocol": 1})
+
+
+class Leased:
+    def __init__(self, id, lease_token=TOKEN, kind="embed", payload_json="{}", attempt=1):
+        self.id, self.lease_token, self.kind, self.payload_json, self.attempt = (
+            id, lease_token, kind, payload_json, attempt)
+
+
+def opened(**kw) -> ServerProtocol:
+    p = ServerProtocol(max_payload=kw.pop("max_payload", 4096), max_messages_per_second=kw.pop("rate", 1000),
+                       now=0.0, **kw)
+    assert p.receive(HELLO, 0.0) == [HelloReceived(Hello("a", ("embed",), 2))]
+    p.accept(Welcome("a#1", 30, 5, 4096))
+    assert json.loads(p.frames_to_send()[0])["type"] == "welcome"
+    return p
+
+
+def sent(p: ServerProtocol) -> list[dict]:
+    return [json.loads(f) for f in p.frames_to_send()]
+
+
+@pytest.mark.parametrize("frame, code", [
+    ("not json", ErrorCode.BAD_JSON),
+    ("[1, 2]", ErrorCode.BAD_MESSAGE),
+    ('{"type": "nope"}', ErrorCode.UNKNOWN_TYPE),
+    ('{"type": "done", "id": 1, "lease_token": "' + TOKEN + '"}', ErrorCode.BAD_MESSAGE),
+    ('{"type": "done", "id": 1, "lease_token": "x", "result": 1}', ErrorCode.BAD_MESSAGE),
+    ('{"type": "done", "id": -5, "lease_token": "' + TOKEN + '", "result": 1}', ErrorCode.BAD_MESSAGE),
+    ('{"type": "failed", "id": 7, "lease_token": "' + TOKEN + '", "error": "x", "retryable": "yes"}',
+     ErrorCode.BAD_MESSAGE),
+    ('{"type": "heartbeat", "ids": [7]}', ErrorCode.NOT_HELD),
+    (HELLO, ErrorCode.UNEXPECTED),
+    ('{"type": "done", "id": 1, "lease_token": "' + TOKEN + '", "result": NaN}', ErrorCode.BAD_JSON),
+    ('{"type": "results", "results": []}', ErrorCode.BAD_MESSAGE),
+    ('{"type": "results", "results": "done"}', ErrorCode.BAD_MESSAGE),
+    ('{"type": "results", "results": [1]}', ErrorCode.BAD_MESSAGE),
+    ('{"type": "results", "results": [{"type": "heartbeat", "ids": []}]}', ErrorCode.BAD_MESSAGE),
+    ('{"type": "results", "results": [{"type": "done", "id": 1, "lease_token": "x", "result": 1}]}',
+     ErrorCode.BAD_MESSAGE),
+    ('{"type": "results", "results": [{"type": "done", "id": 1, "lease_token": "' + TOKEN
+     + '", "result": 1}, {"type": "done", "id": 2, "lease_token": "' + TOKEN + '", "result": "\\u0000"}]}',
+     ErrorCode.BAD_MESSAGE),
+])
+def test_a_bad_frame_gets_an_error_and_the_connection_goes_on(frame, code):
+    p = opened()
+    events = p.receive(frame, 0.1)
+    assert [type(e) for e in events] == [FrameRefused] and events[0].code == code
+    [err] = sent(p)
+    assert err["type"] == "error" and err["code"] == code and err["message"]
+    assert p.close_to_send() is None and p.state is State.OPEN
+
+
+@pytest.mark.parametrize("hello, close", [
+    ('{"type": "heartbeat", "ids": []}', CloseCode.PROTOCOL_ERROR),
+    ('{"type": "hello", "agent": "x", "kinds": [], "capacity": 1, "protocol": 1}', CloseCode.PROTOCOL_ERROR),
+    ('{"type": "hello", "agent": "x", "kinds": ["a,b"], "capacity": 1, "protocol": 1}', CloseCode.PROTOCOL_ERROR),
+    ('{"type": "hello", "agent": "x", "kinds": ["a"], "capacity": 0, "protocol": 1}', CloseCode.PROTOCOL_ERROR),
+    ('{"type": "hello", "agent": "x", "kinds": ["a"], "capacity": 1, "protocol": 99}',
+     CloseCode.UNSUPPORTED_VERSION),
+    ("garbage", CloseCode.PROTOCOL_ERROR),
+    (b"\x00binary", CloseCode.PROTOCOL_ERROR),
+    # Found by the fuzzer: a reason of 120 characters can be over the 123 bytes a close frame holds.
+    (json.dumps({"type": "hello", "agent": "x", "kinds": ["a"], "capacity": 1, "protocol": ["é" * 200]}),
+     CloseCode.UNSUPPORTED_VERSION),
+])
+def test_a_bad_first_message_is_answered_then_closes(hello, close):
+    p = ServerProtocol(max_payload=4096, max_messages_per_second=10, now=0.0)
+    [refused] = p.receive(hello, 0.0)
+    assert isinstance(refused, FrameRefused)
+    assert [json.loads(f)["type"] for f in p.frames_to_send()] == ["error"]
+    code, reason = p.close_to_send()
+    assert code == close and len(reason.encode()) <= 123
+    assert p.receive(HELLO, 0.1) == [] and p.free == 0  # closed: nothing more is taken
+
+
+def test_a_second_hello_with_a_long_non_ascii_version_closes_with_4000():
+    p = opened()
+    p.receive(json.dumps({"type": "hello", "agent": "x", "kinds": ["a"], "capacity": 1, "protocol": "ü" * 200}),
+              0.1)
+    code, reason = p.close_to_send()
+    assert code == CloseCode.PROTOCOL_ERROR and len(reason.encode()) <= 123
+
+
+def test_a_binary_frame_after_the_hello_closes_with_1003():
+    p = opened()
+    p.receive(b"\x00\x01binary", 0.1)
+    assert p.close_to_send()[0] == CloseCode.UNSUPPORTED_DATA
+
+
+def test_no_hello_before_the_deadline_closes_with_4002():
+    p = ServerProtocol(max_payload=4096, max_messages_per_second=10, now=100.0, hello_timeout=10)
+    p.check_deadline(109.9)
+    assert p.close_to_send() is None
+    p.check_deadline(110.0)
+    assert p.close_to_send() == (CloseCode.HELLO_TIMEOUT, "no hello in time")
+    opened().check_deadline(1e9)  # the deadline means nothing once the hello came
+
+
+def test_too_many_errors_close_with_4000():
+    p = opened(max_errors=5)
+    for _ in range(5):
+        p.receive("nope", 0.1)
+    assert p.close_to_send() is None
+    p.receive("nope", 0.1)
+    assert p.close_to_send() == (CloseCode.PROTOCOL_ERROR, "too many protocol errors")
+
+
+def test_a_flood_closes_with_4008_and_a_steady_rate_does_not():
+    beat = json.dumps({"type": "heartbeat", "ids": []})
+    steady = opened(rate=20)
+    for i in range(200):  # 20 a second for 10 seconds
+        steady.receive(beat, i / 20)
+    assert steady.close_to_send() is None
+    flood = opened(rate=20)
+    for _ in range(41):  # a burst of 2 seconds' worth, then one more at the same instant
+        flood.receive(beat, 1.0)
+    assert flood.close_to_send() == (CloseCode.RATE_LIMITED, "too many messages")
+
+
+def test_credit_is_capacity_minus_held_jobs_and_a_matching_outcome_frees_it():
+    p = opened()
+    assert p.free == 2
+    p.send_jobs([Leased(1), Leased(2, kind="other")])
+    [frame] = sent(p)
+    assert [j["id"] for j in frame["jobs"]] == [1, 2] and p.free == 0
+    stale = json.dumps({"type": "done", "id": 1, "lease_token": "11111111-1111-1111-1111-111111111111",
+                        "result": 1})
+    [ev] = p.receive(stale, 0.1)
+    assert isinstance(ev, OutcomesReceived) and ev.freed == 0 and ev.outcomes[0][1] == "?"
+    good = json.dumps({"type": "results", "results": [
+        {"type": "done", "id": 2, "lease_token": TOKEN, "result": 1},
+        {"type": "failed", "id": 99, "lease_token": TOKEN, "error": "x", "retryable": True}]})
+    [ev] = p.receive(good, 0.2)
+    assert ev.freed == 1 and [(m.id, kind) for m, kind in ev.outcomes] == [(2, "other"), (99, "?")]
+    assert p.free == 1 and set(p.held) == {1}
+
+
+def test_a_heartbeat_extends_only_held_jobs_and_names_the_others():
+    p = opened()
+    p.send_jobs([Leased(1)])
+    events = p.receive(json.dumps({"type": "heartbeat", "ids": [1, 5]}), 0.1)
+    assert events[0] == HeartbeatReceived((1,))
+    assert isinstance(events[1], FrameRefused) and events[1].code == ErrorCode.NOT_HELD
+    err = sent(p)[-1]
+    assert err["code"] == "not_held" and "[5]" in err["message"]
+
+
+def test_drain_takes_the_credit_away():
+    p = opened()
+    assert p.receive('{"type": "drain"}', 0.1) == [DrainRequested()]
+    assert p.free == 0 and p.draining
+
+
+def test_acks_and_drain_go_out_in_order():
+    p = opened()
+    p.send_ack((1, 2), (3,))
+    p.send_drain(5.0)
+    assert sent(p) == [{"type": "ack", "accepted": [1, 2], "rejected": [3]},
+                       {"type": "drain", "deadline_seconds": 5.0}]
+    assert encode(Hello("a", ("embed",), 2)) == json.dumps(json.loads(HELLO), separators=(",", ":"))
