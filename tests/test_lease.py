@@ -18,7 +18,7 @@ async def _phase1_buffers(conn, kinds=("train",), n=32):
 
 
 async def test_seed_regression_lease_ignores_done_history(conn):
-    """The incident: 100k done rows at low ids must not make leasing walk them."""
+    """The naive design's failure: 100k done rows at low ids must not make leasing walk them."""
     await add_pending(conn, 200)
     empty_reads, empty_total, empty_indexes = await _phase1_buffers(conn)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import random
 import socket
 import ssl
 import traceback
@@ -34,6 +33,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI
 
 from gpuq import logs, protocol
+from gpuq.loops import RetryBackoff, run_every
 from gpuq.protocol import Hello
 from gpuq.protocol.agent_side import (
     Acked,
@@ -105,23 +105,24 @@ class Agent:
         self._stop_event.set()
 
     async def run(self) -> None:
-        delay = self.reconnect_min
-        while not self.protocol.draining or self.protocol.unacked:
-            try:
-                await self._session()
-                delay = self.reconnect_min
-            except AuthError:
-                raise
-            except (OSError, ConnectionClosed, TimeoutError, InvalidStatus, protocol.ProtocolError) as exc:
-                log.warning("agent.connection_lost", agent=self.name, error=str(exc) or type(exc).__name__,
-                            retry_in=round(delay, 2))
-            finally:
-                self.protocol.connection_lost()
-            if self.protocol.finished or (self.protocol.draining and not self.protocol.unacked):
-                break
-            with anyio.move_on_after(delay * random.uniform(0.5, 1.0)):
-                await self._stop_event.wait()
-            delay = min(delay * 2, self.reconnect_max)
+        """Connect, run jobs, reconnect with backoff; return once stopped and everything is acked."""
+        await run_every(self.reconnect_min, self._connection,
+                        backoff=RetryBackoff(self.reconnect_min, self.reconnect_max),
+                        errors=(OSError, ConnectionClosed, TimeoutError, InvalidStatus, protocol.ProtocolError),
+                        on_error=self._connection_lost, until=self._done, wake=self._stop_event)
+
+    def _done(self) -> bool:
+        return self.protocol.draining and not self.protocol.unacked
+
+    async def _connection(self) -> None:
+        try:
+            await self._session()
+        finally:
+            self.protocol.connection_lost()
+
+    def _connection_lost(self, exc: BaseException, retry_in: float) -> None:
+        log.warning("agent.connection_lost", agent=self.name, error=str(exc) or type(exc).__name__,
+                    retry_in=retry_in)
 
     async def _session(self) -> None:
         try:

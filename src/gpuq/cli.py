@@ -248,24 +248,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from gpuq import db
     from gpuq.config import parse_duration
-    from gpuq.sweeper import Sweeper, SweeperConfig
+    from gpuq.maintenance import Maintainer
 
-    config = SweeperConfig(interval_seconds=args.interval,
-                           retention_seconds=parse_duration(args.retention, "--retention") if args.retention else None)
+    retention = parse_duration(args.retention, "--retention") if args.retention else None
 
     async def run() -> None:
         pool = await db.create_pool(_dsn(args), min_size=1, max_size=2)
         try:
-            sweeper = Sweeper(pool, config)
+            maintainer = Maintainer.standard(pool, args.interval, retention)
             if args.once:
-                r = await sweeper.tick()
-                print(json.dumps({"reclaimed": r.reclaimed, "dead": r.dead, "promoted": r.promoted,
-                                  "pruned": r.pruned}))
+                r = await maintainer.run_once()
+                print(json.dumps({k: r[k] for k in ("reclaimed", "dead", "promoted", "pruned")}))
                 return
             stop = anyio.Event()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(stop_on_signal, stop.set)
-                tg.start_soon(sweeper.run)
+                tg.start_soon(maintainer.run)
                 await stop.wait()
                 tg.cancel_scope.cancel()
         finally:

@@ -14,8 +14,8 @@ Three loops run in one task group:
   pushes each job to the agent named in its ``leased_by``. It wakes on a
   notification, on freed credit, on a new agent, and on a poll timer while
   any agent has free credit: no notification is needed for correctness.
-- ``Completer``: results are batched into one ``complete_many`` (and one
-  ``fail_many``) per flush and acknowledged to agents only after commit.
+- ``Completer`` (completer.py): results are batched into one ``complete_many``
+  (and one ``fail_many``) per flush and acknowledged to agents only after commit.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import asyncpg
 
 from gpuq import db, logs, metrics, queue
+from gpuq.completer import Completer
 from gpuq.config import ServerConfig
+from gpuq.loops import RetryBackoff, run_every
 from gpuq.protocol import Done, Failed
 from gpuq.protocol.server_side import ServerProtocol
 from gpuq.queue import Backoff
@@ -90,7 +91,7 @@ class Dispatcher:
         self.pool = pool
         self.config = config
         self.sessions: dict[str, AgentSession] = {}
-        self.completer = Completer(self, backoff or Backoff())
+        self.completer = Completer(pool, backoff or Backoff())
         self.listening = False
         self.stopping = False
         self._wake = anyio.Event()
@@ -135,13 +136,7 @@ class Dispatcher:
         an outcome for a job it was not given (kind '?') still goes to the
         database, where the lease token decides, and is acked either way.
         """
-        done, failed = self.completer.done, self.completer.failed
-        for msg, kind in outcomes:
-            if isinstance(msg, Done):
-                done.append((session, msg, kind))
-            else:
-                failed.append((session, msg, kind))
-        self.completer.wake()
+        self.completer.submit(session, outcomes)
         if freed:
             self._credit_freed(session)
 
@@ -180,51 +175,49 @@ class Dispatcher:
             tg.start_soon(self.completer.run)
 
     async def _listen_loop(self) -> None:
-        delay = 0.1
-        while True:
-            conn = None
-            try:
-                conn = await db.connect(self.config.database_url)
-                lost = anyio.Event()
-                conn.add_termination_listener(lambda _c, lost=lost: lost.set())
-                await conn.add_listener(queue.NOTIFY_CHANNEL, self._on_notify)
-                self.listening, delay = True, 0.1
-                log.info("listen.connected", channel=queue.NOTIFY_CHANNEL)
-                self.wake_all()  # anything inserted while we were not listening
-                while not lost.is_set():
-                    with anyio.move_on_after(5):
-                        await lost.wait()
-                    if not lost.is_set():
-                        await conn.execute(queries["ping"], timeout=5)  # catch a half-open socket
-            except db.RETRYABLE_ERRORS as exc:
-                log.warning("listen.lost", error=str(exc), retry_in=round(delay, 2))
-            finally:
-                self.listening = False
-                if conn is not None and not conn.is_closed():
-                    conn.terminate()
-            await anyio.sleep(delay * random.uniform(0.5, 1.0))
-            delay = min(delay * 2, 5.0)
+        await run_every(0.1, self._listen_once, backoff=RetryBackoff(first=0.1), errors=db.RETRYABLE_ERRORS,
+                        on_error=lambda exc, retry_in: log.warning("listen.lost", error=str(exc), retry_in=retry_in))
+
+    async def _listen_once(self) -> None:
+        """Hold one LISTEN connection until it is lost."""
+        conn = None
+        try:
+            conn = await db.connect(self.config.database_url)
+            lost = anyio.Event()
+            conn.add_termination_listener(lambda _c, lost=lost: lost.set())
+            await conn.add_listener(queue.NOTIFY_CHANNEL, self._on_notify)
+            self.listening = True
+            log.info("listen.connected", channel=queue.NOTIFY_CHANNEL)
+            self.wake_all()  # anything inserted while we were not listening
+            while not lost.is_set():
+                with anyio.move_on_after(5):
+                    await lost.wait()
+                if not lost.is_set():
+                    await conn.execute(queries["ping"], timeout=5)  # catch a half-open socket
+        finally:
+            self.listening = False
+            if conn is not None and not conn.is_closed():
+                conn.terminate()
 
     async def _lease_loop(self) -> None:
-        delay = 0.05
-        while not self.stopping:
-            if not self._wake.is_set():
-                poll = self.config.poll_seconds if self._any_free() else None
-                with anyio.move_on_after(poll) as scope:
-                    await self._wake.wait()
-                if scope.cancelled_caught:
-                    self._notified_all = True  # poll: look at every group
-            self._wake = anyio.Event()  # wakes during the pass trigger another pass
-            if self.stopping:
-                break
-            try:
-                await self._lease_pass()
-                delay = 0.05
-            except db.RETRYABLE_ERRORS as exc:
-                log.warning("lease.failed", error=str(exc), retry_in=round(delay, 2))
-                self._notified_all = True
-                await anyio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        await run_every(0, self._lease_once, errors=db.RETRYABLE_ERRORS, on_error=self._lease_failed,
+                        until=lambda: self.stopping)
+
+    async def _lease_once(self) -> None:
+        """Wait for a reason to lease (a notification, freed credit, the poll timer), then lease."""
+        if not self._wake.is_set():
+            poll = self.config.poll_seconds if self._any_free() else None
+            with anyio.move_on_after(poll) as scope:
+                await self._wake.wait()
+            if scope.cancelled_caught:
+                self._notified_all = True  # poll: look at every group
+        self._wake = anyio.Event()  # wakes during the pass trigger another pass
+        if not self.stopping:
+            await self._lease_pass()
+
+    def _lease_failed(self, exc: BaseException, retry_in: float) -> None:
+        log.warning("lease.failed", error=str(exc), retry_in=retry_in)
+        self._notified_all = True
 
     def _any_free(self) -> bool:
         return any(s.free for s in self.sessions.values())
@@ -277,8 +270,7 @@ class Dispatcher:
         for sid, batch in by_session.items():
             session = self.sessions.get(sid)
             if session is None:  # left between the lease and now: give the jobs back
-                self.completer.orphans.extend(j.id for j in batch)
-                self.completer.wake()
+                self.completer.release(j.id for j in batch)
                 continue
             if debug:
                 for j in batch:
@@ -316,120 +308,3 @@ def _interleave(members: list[AgentSession], limit: int) -> list[str]:
     columns = [[s.id] * s.free for s in members]
     slots = [sid for row in itertools.zip_longest(*columns) for sid in row if sid is not None]
     return slots[:limit]
-
-
-class Completer:
-    """Batches agents' outcomes into few statements; acks each agent after commit."""
-
-    def __init__(self, dispatcher: Dispatcher, backoff: Backoff):
-        self.d = dispatcher
-        self.backoff = backoff
-        # Outcomes waiting for the database, appended by Dispatcher.submit (then wake()).
-        self.done: list[tuple[AgentSession, Done, str]] = []
-        self.failed: list[tuple[AgentSession, Failed, str]] = []
-        self.orphans: list[int] = []  # leased for an agent that left before the push
-        self._wake = anyio.Event()
-        self._lock = anyio.Lock()
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    async def run(self) -> None:
-        delay = 0.05
-        while True:
-            await self._wake.wait()
-            self._wake = anyio.Event()
-            try:
-                await self.flush()
-                delay = 0.05
-            except db.RETRYABLE_ERRORS as exc:
-                # Nothing is dropped: the outcomes stay queued and the agents
-                # un-acked until the database takes them.
-                log.warning("results.flush_failed", error=str(exc), retry_in=round(delay, 2))
-                await anyio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-                self._wake.set()
-
-    async def flush(self) -> None:
-        async with self._lock:
-            while self.done or self.failed or self.orphans:
-                try:
-                    await self._flush_once()
-                except asyncpg.DataError:
-                    # One outcome the database refuses must not block the batch
-                    # forever: write them one by one and refuse the bad ones.
-                    await self._flush_singly()
-
-    async def _flush_singly(self) -> None:
-        done, failed = self.done[:1000], self.failed[:1000]
-        del self.done[:len(done)], self.failed[:len(failed)]
-        for outcome in done:
-            self.done.append(outcome)
-            await self._flush_or_refuse(outcome, self.done)
-        for failure in failed:
-            self.failed.append(failure)
-            await self._flush_or_refuse(failure, self.failed)
-
-    async def _flush_or_refuse(self, item: Any, pending: list[Any]) -> None:
-        try:
-            await self._flush_once()
-        except asyncpg.DataError as exc:
-            pending.remove(item)
-            session, msg, _kind = item
-            log.error("job.outcome_refused", job_id=msg.id, agent=session.id, error=str(exc))
-            metrics.RESULTS_REJECTED.inc()
-            session.send_ack((), (msg.id,))
-
-    async def _flush_once(self) -> None:
-        done, failed, orphans = self.done[:1000], self.failed[:1000], self.orphans[:1000]
-        accepted: set[int] = set()
-        outcomes: dict[int, queue.FailOutcome] = {}
-        if done:
-            accepted = await queue.complete_many(self.d.pool, [(m.id, m.lease_token, m.result) for _, m, _ in done])
-        if failed:
-            outcomes = await queue.fail_many(
-                self.d.pool, [(m.id, m.lease_token, m.error, m.retryable) for _, m, _ in failed], self.backoff)
-        if orphans:
-            await queue.release_jobs(self.d.pool, orphans)
-        # Committed: now take them off the queue and tell the agents.
-        del self.done[:len(done)], self.failed[:len(failed)], self.orphans[:len(orphans)]
-        acks: dict[AgentSession, tuple[list[int], list[int]]] = {}
-        done_kinds: Counter[str | None] = Counter()
-        for session, m, kind in done:
-            ok = m.id in accepted
-            acks.setdefault(session, ([], []))[0 if ok else 1].append(m.id)
-            done_kinds[kind if ok else None] += 1
-        for done_kind, n in done_kinds.items():
-            if done_kind is None:
-                metrics.RESULTS_REJECTED.inc(n)
-            else:
-                metrics.JOBS_DONE.labels(kind=done_kind).inc(n)
-        for session, f, kind in failed:
-            out = outcomes.get(f.id)
-            acks.setdefault(session, ([], []))[0 if out else 1].append(f.id)
-            if out:
-                metrics.JOBS_FAILED.labels(kind=kind, outcome=out.status).inc()
-            else:
-                metrics.RESULTS_REJECTED.inc()
-        for session, (ok_ids, bad_ids) in acks.items():
-            session.send_ack(tuple(ok_ids), tuple(bad_ids))
-        self._log(done, failed, accepted, outcomes)
-
-    def _log(self, done: list[Any], failed: list[Any], accepted: set[int],
-             outcomes: dict[int, queue.FailOutcome]) -> None:
-        if done:
-            rejected = [m.id for _, m, _ in done if m.id not in accepted]
-            log.info("job.done", count=len(accepted), job_ids=sorted(accepted),
-                     agents=sorted({s.id for s, _, _ in done}))
-            if rejected:
-                log.warning("job.rejected", count=len(rejected), job_ids=rejected,
-                            reason="stale lease token (the lease was reclaimed or the job finished)")
-        for session, m, kind in failed:
-            out = outcomes.get(m.id)
-            if out is None:
-                log.warning("job.rejected", job_id=m.id, agent=session.id, kind=kind, reason="stale lease token")
-            else:
-                event = "job.dead" if out.status == "dead" else "job.failed"
-                log.info(event, job_id=m.id, agent=session.id, kind=kind, retryable=m.retryable,
-                         run_at=out.run_at.isoformat() if out.status == "scheduled" else None,
-                         error=m.error[:200])

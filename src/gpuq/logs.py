@@ -1,8 +1,9 @@
 """structlog setup: one JSON object per line, or console rendering on a terminal.
 
 Every job event carries its ids as keys (``job_id``, ``agent``, ``kind``,
-``batch``) so ops can filter with ``jq``; the event name is a short
-snake_case verb phrase such as ``job_leased`` or ``lease_rejected``.
+``batch``) so ops can filter with ``jq``; the event name is dotted,
+``<subject>.<what happened>``, such as ``job.done``, ``lease.batch`` or
+``agent.connected``.
 """
 
 from __future__ import annotations

@@ -26,11 +26,11 @@ from websockets.http11 import Request, Response
 from gpuq import db, logs, metrics, queue
 from gpuq.config import ConfigError, ServerConfig
 from gpuq.dispatcher import AgentSession, Dispatcher
+from gpuq.maintenance import Maintainer
 from gpuq.migrate import pending_migrations
 from gpuq.protocol import CloseCode, Welcome, server_side
 from gpuq.protocol.server_side import ServerProtocol
 from gpuq.sql import queries
-from gpuq.sweeper import Sweeper, SweeperConfig
 
 log = logs.get("server")
 
@@ -277,11 +277,10 @@ async def serve(
                 raise ConfigError(f"the database is not migrated (missing {', '.join(missing)}): run `gpuq migrate`")
         dispatcher = Dispatcher(pool, config)
         front = AgentServer(dispatcher, config)
-        sweeper = Sweeper(pool, SweeperConfig(interval_seconds=config.sweep_seconds,
-                                              retention_seconds=config.retention_seconds))
+        maintainer = Maintainer.standard(pool, config.sweep_seconds, config.retention_seconds)
         async with anyio.create_task_group() as tg:
             tg.start_soon(dispatcher.run)
-            tg.start_soon(sweeper.run)
+            tg.start_soon(maintainer.run)
             async with websockets.serve(
                 front.handle, config.listen[0], config.listen[1], process_request=front.process_request,
                 max_size=config.max_payload, ssl=tls, compression=None, logger=_quiet_logger(),

@@ -1,8 +1,8 @@
 """``gpuq bench lease-history``: lease cost against the size of the done history.
 
 For each history size N: a fresh ``gpuq.jobs`` with N done rows (ids 1..N)
-and then 1,000 pending rows behind them, the layout of the incident. The same
-rows are copied into ``gpuq_naive.jobs``, the incident design: same columns,
+and then 1,000 pending rows behind them, the layout of the naive design's failure. The same
+rows are copied into ``gpuq_naive.jobs``, the naive design: same columns,
 a primary key and ONLY a plain index on ``status`` (no partial indexes).
 
 Measured, each in a transaction that is rolled back (so every run leases the
@@ -12,12 +12,12 @@ same rows from the same state):
   partial index, update by ctid);
 - naive: the single-phase ``SELECT id ... WHERE status = 'pending' ORDER BY
   id LIMIT n FOR UPDATE SKIP LOCKED`` + ``UPDATE ... WHERE id = picked.id``,
-  with the plan of the incident: walk the primary key from id 1, filtering
+  with the naive plan: walk the primary key from id 1, filtering
   on status. PostgreSQL picks that plan whenever its statistics say pending
   rows are common (as they are when autoanalyze runs, during a burst); with
   fresh statistics on this exact layout it may instead read every pending
   entry of the status index and sort them (O(pending), not O(batch)). The
-  bench pins the incident plan with ``SET LOCAL enable_sort = off`` and also
+  bench pins the naive plan with ``SET LOCAL enable_sort = off`` and also
   reports the planner's own choice on fresh statistics (``naive_planner_*``).
 
 Figures: median wall ms over ``--repeat`` runs (a query slower than
@@ -73,7 +73,7 @@ SELECT 'train', jsonb_build_object('i', g) FROM generate_series(1, $1::int) AS g
 _TRIGGER_OFF = "ALTER TABLE gpuq.jobs DISABLE TRIGGER jobs_notify_inserted"
 _TRIGGER_ON = "ALTER TABLE gpuq.jobs ENABLE TRIGGER jobs_notify_inserted"
 
-# The incident design, same rows in the same physical order (a fresh table
+# The naive design, same rows in the same physical order (a fresh table
 # scans in insertion order, which is id order). CREATE TABLE AS is the fast
 # bulk path; the key, the one status index and the CHECK constraints follow.
 # The CHECKs apply to every new row version (so the naive UPDATE pays for them
@@ -115,7 +115,7 @@ WHERE j.id = picked.id
 RETURNING j.id, j.kind, j.payload, j.attempts, j.max_attempts, j.lease_token, j.priority
 """
 _NAIVE_EXPLAIN = "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + _NAIVE_LEASE
-# The incident's plan: no sort possible, so ORDER BY id walks the primary key.
+# The naive plan: no sort possible, so ORDER BY id walks the primary key.
 _PIN_PK_WALK = "SET LOCAL enable_sort = off"
 # The naive design ran with PostgreSQL's default planner, not gpuq's PLAN_SETTINGS.
 _PLANNER_DEFAULTS = ("SET LOCAL enable_bitmapscan = on; SET LOCAL enable_seqscan = on; "
@@ -277,7 +277,7 @@ def _report(result: dict[str, Any]) -> None:
     print(f"lease-history: lease {result['batch']} of {result['pending']:,} pending rows behind "
           f"N done rows; ms = median of up to {result['repeat']} rolled-back runs; buffers = "
           "shared hit+read of one EXPLAIN ANALYZE run")
-    print("  naive = the incident plan (primary-key walk); naive planner = PostgreSQL's own "
+    print("  naive = the primary-key walk plan; naive planner = PostgreSQL's own "
           "choice on fresh statistics")
     print()
     print_table(
@@ -307,7 +307,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     for ax, key, label in ((ax_b, "buffers", "shared buffers touched (hit + read)"),
                            (ax_t, "ms", "median wall time (ms)")):
         ax.plot(done_m, [r[f"naive_{key}"] for r in rows], "o-", color="#c0392b",
-                label="naive, incident plan (primary-key walk)")
+                label="naive, primary-key walk")
         ax.plot(done_m, [r[f"naive_planner_{key}"] for r in rows], "^--", color="#e67e22",
                 label="naive, planner's choice on fresh stats")
         ax.plot(done_m, [r[f"gpuq_{key}"] for r in rows], "s-", color="#2471a3",

@@ -1,0 +1,157 @@
+"""The completer: agents' outcomes, batched into few statements and acked after commit.
+
+``submit`` queues outcomes as the server reads them; one task writes every
+outcome queued by then with one ``complete_many`` and one ``fail_many``, then
+acks each agent. A batch the database refuses (a value jsonb cannot take) is
+written one by one, so one bad outcome cannot block the others.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import anyio
+import asyncpg
+
+from gpuq import db, logs, metrics, queue
+from gpuq.loops import run_every
+from gpuq.protocol import Done, Failed
+from gpuq.queue import Backoff
+
+log = logs.get("dispatcher")
+
+
+class Session(Protocol):
+    """What the completer needs of an agent's connection."""
+
+    id: str
+
+    def send_ack(self, accepted: tuple[int, ...], rejected: tuple[int, ...]) -> None: ...
+
+
+class Completer:
+    """Batches agents' outcomes into few statements; acks each agent after commit."""
+
+    def __init__(self, pool: Any, backoff: Backoff):
+        self.pool = pool
+        self.backoff = backoff
+        # Outcomes waiting for the database (add them with submit(), release()).
+        self.done: list[tuple[Session, Done, str]] = []
+        self.failed: list[tuple[Session, Failed, str]] = []
+        self.orphans: list[int] = []  # leased for an agent that left before the push
+        self._wake = anyio.Event()
+        self._lock = anyio.Lock()
+
+    def submit(self, session: Session, outcomes: Iterable[tuple[Done | Failed, str]]) -> None:
+        """Queue ``(outcome, kind)`` pairs reported by ``session``; acked after the commit."""
+        for msg, kind in outcomes:
+            if isinstance(msg, Done):
+                self.done.append((session, msg, kind))
+            else:
+                self.failed.append((session, msg, kind))
+        self._wake.set()
+
+    def release(self, ids: Iterable[int]) -> None:
+        """Give back leases that no agent will run (their agent left before the push)."""
+        self.orphans.extend(ids)
+        self._wake.set()
+
+    async def run(self) -> None:
+        # Nothing is dropped on a failure: the outcomes stay queued and the
+        # agents un-acked until the database takes them.
+        await run_every(0, self._wait_and_flush, errors=db.RETRYABLE_ERRORS, on_error=self._failed)
+
+    async def _wait_and_flush(self) -> None:
+        await self._wake.wait()
+        self._wake = anyio.Event()
+        await self.flush()
+
+    def _failed(self, exc: BaseException, retry_in: float) -> None:
+        log.warning("results.flush_failed", error=str(exc), retry_in=retry_in)
+        self._wake.set()
+
+    async def flush(self) -> None:
+        async with self._lock:
+            while self.done or self.failed or self.orphans:
+                try:
+                    await self._flush_once()
+                except asyncpg.DataError:
+                    # One outcome the database refuses must not block the batch
+                    # forever: write them one by one and refuse the bad ones.
+                    await self._flush_singly()
+
+    async def _flush_singly(self) -> None:
+        done, failed = self.done[:1000], self.failed[:1000]
+        del self.done[:len(done)], self.failed[:len(failed)]
+        for outcome in done:
+            self.done.append(outcome)
+            await self._flush_or_refuse(outcome, self.done)
+        for failure in failed:
+            self.failed.append(failure)
+            await self._flush_or_refuse(failure, self.failed)
+
+    async def _flush_or_refuse(self, item: Any, pending: list[Any]) -> None:
+        try:
+            await self._flush_once()
+        except asyncpg.DataError as exc:
+            pending.remove(item)
+            session, msg, _kind = item
+            log.error("job.outcome_refused", job_id=msg.id, agent=session.id, error=str(exc))
+            metrics.RESULTS_REJECTED.inc()
+            session.send_ack((), (msg.id,))
+
+    async def _flush_once(self) -> None:
+        done, failed, orphans = self.done[:1000], self.failed[:1000], self.orphans[:1000]
+        accepted: set[int] = set()
+        outcomes: dict[int, queue.FailOutcome] = {}
+        if done:
+            accepted = await queue.complete_many(self.pool, [(m.id, m.lease_token, m.result) for _, m, _ in done])
+        if failed:
+            outcomes = await queue.fail_many(
+                self.pool, [(m.id, m.lease_token, m.error, m.retryable) for _, m, _ in failed], self.backoff)
+        if orphans:
+            await queue.release_jobs(self.pool, orphans)
+        # Committed: now take them off the queue and tell the agents.
+        del self.done[:len(done)], self.failed[:len(failed)], self.orphans[:len(orphans)]
+        acks: dict[Session, tuple[list[int], list[int]]] = {}
+        done_kinds: Counter[str | None] = Counter()
+        for session, m, kind in done:
+            ok = m.id in accepted
+            acks.setdefault(session, ([], []))[0 if ok else 1].append(m.id)
+            done_kinds[kind if ok else None] += 1
+        for done_kind, n in done_kinds.items():
+            if done_kind is None:
+                metrics.RESULTS_REJECTED.inc(n)
+            else:
+                metrics.JOBS_DONE.labels(kind=done_kind).inc(n)
+        for session, f, kind in failed:
+            out = outcomes.get(f.id)
+            acks.setdefault(session, ([], []))[0 if out else 1].append(f.id)
+            if out:
+                metrics.JOBS_FAILED.labels(kind=kind, outcome=out.status).inc()
+            else:
+                metrics.RESULTS_REJECTED.inc()
+        for session, (ok_ids, bad_ids) in acks.items():
+            session.send_ack(tuple(ok_ids), tuple(bad_ids))
+        self._log(done, failed, accepted, outcomes)
+
+    def _log(self, done: list[Any], failed: list[Any], accepted: set[int],
+             outcomes: dict[int, queue.FailOutcome]) -> None:
+        if done:
+            rejected = [m.id for _, m, _ in done if m.id not in accepted]
+            log.info("job.done", count=len(accepted), job_ids=sorted(accepted),
+                     agents=sorted({s.id for s, _, _ in done}))
+            if rejected:
+                log.warning("job.rejected", count=len(rejected), job_ids=rejected,
+                            reason="stale lease token (the lease was reclaimed or the job finished)")
+        for session, m, kind in failed:
+            out = outcomes.get(m.id)
+            if out is None:
+                log.warning("job.rejected", job_id=m.id, agent=session.id, kind=kind, reason="stale lease token")
+            else:
+                event = "job.dead" if out.status == "dead" else "job.failed"
+                log.info(event, job_id=m.id, agent=session.id, kind=kind, retryable=m.retryable,
+                         run_at=out.run_at.isoformat() if out.status == "scheduled" else None,
+                         error=m.error[:200])

@@ -1,0 +1,60 @@
+"""``run_every``: the one loop for long-running work that must survive failures.
+
+Every service loop of gpuq (LISTEN, leasing, the completer, maintenance, the
+agent's connection) is a ``step`` called forever: after a success it waits
+``interval``; after one of ``errors`` it waits a doubling, jittered delay
+(``RetryBackoff``) so an outage is retried, logged, and never fatal.
+Nothing here knows the database: the caller names its retryable errors.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+
+@dataclass(frozen=True)
+class RetryBackoff:
+    """Delays after consecutive failures: ``first``, doubling up to ``cap``, each times a
+    random factor in [1 - jitter, 1] so that many clients do not retry in step."""
+
+    first: float = 0.05
+    cap: float = 5.0
+    jitter: float = 0.5
+
+
+async def run_every(
+    interval: float,
+    step: Callable[[], Awaitable[Any]],
+    *,
+    backoff: RetryBackoff = RetryBackoff(),
+    errors: tuple[type[BaseException], ...] = (),
+    on_error: Callable[[BaseException, float], None] | None = None,
+    until: Callable[[], bool] | None = None,
+    wake: Any = None,
+) -> None:
+    """Call ``step`` until ``until()`` is true (forever without it).
+
+    ``on_error(exc, retry_in)`` hears each failure among ``errors`` (others
+    propagate). ``wake``, an event, cuts any wait short.
+    """
+    delay = backoff.first
+    while until is None or not until():
+        try:
+            await step()
+        except errors as exc:
+            wait = delay * random.uniform(1 - backoff.jitter, 1)
+            delay = min(delay * 2, backoff.cap)
+            if on_error is not None:
+                on_error(exc, round(wait, 3))
+        else:
+            wait, delay = interval, backoff.first
+        if wait > 0 and (until is None or not until()):
+            with anyio.move_on_after(wait):
+                if wake is None:
+                    await anyio.sleep_forever()
+                await wake.wait()

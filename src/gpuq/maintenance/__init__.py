@@ -1,0 +1,77 @@
+"""Maintenance services: small units, each with ``run_once()`` and an interval, run by one ``Maintainer``.
+
+Each service does a bounded amount of work per ``run_once`` (a few statements
+of ``batch`` rows), so no statement grows with the table, and returns the
+counts of what it did. Several maintainers may run at once (in every ``gpuq
+serve``, or ``gpuq sweep``): SKIP LOCKED keeps them out of each other's way.
+River's ``internal/maintenance`` is the model.
+
+- ``ReclaimExpired``: expired leases back to pending (dead when out of attempts);
+- ``PromoteDue``: due ``scheduled`` rows (retries, delayed jobs) to pending;
+- ``PruneHistory``: done/dead rows older than a retention, in windows of ids.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import anyio
+
+from gpuq import logs
+from gpuq.db import RETRYABLE_ERRORS
+from gpuq.loops import run_every
+from gpuq.maintenance.promote import PromoteDue
+from gpuq.maintenance.prune import PruneHistory
+from gpuq.maintenance.reclaim import ReclaimExpired
+
+log = logs.get("sweeper")
+
+INTERVAL_SECONDS = 2.0  # how often each service runs, unless told otherwise
+
+
+class Service(Protocol):
+    name: str
+    interval_seconds: float
+
+    async def run_once(self) -> dict[str, int]: ...
+
+
+class Maintainer:
+    """Runs each service on its own interval; a database outage is logged and retried, never fatal."""
+
+    def __init__(self, services: Sequence[Service]):
+        self.services = list(services)
+
+    @classmethod
+    def standard(cls, db: Any, interval_seconds: float = INTERVAL_SECONDS,
+                 retention_seconds: float | None = None) -> Maintainer:
+        """The services ``gpuq serve`` and ``gpuq sweep`` run (retention only when one is set)."""
+        services: list[Service] = [ReclaimExpired(db, interval_seconds), PromoteDue(db, interval_seconds)]
+        if retention_seconds is not None:
+            services.append(PruneHistory(db, retention_seconds, interval_seconds))
+        return cls(services)
+
+    async def run_once(self) -> Counter[str]:
+        """Every service once, in order; the counts of what they did."""
+        report: Counter[str] = Counter()
+        for service in self.services:
+            report.update(await service.run_once())
+        return report
+
+    async def run(self) -> None:
+        log.info("sweeper.started", services=[s.name for s in self.services],
+                 intervals=[s.interval_seconds for s in self.services])
+        async with anyio.create_task_group() as tg:
+            for service in self.services:
+                tg.start_soon(self._run_service, service)
+
+    async def _run_service(self, service: Service) -> None:
+        def failed(exc: BaseException, retry_in: float) -> None:
+            log.warning("sweeper.tick_failed", service=service.name, error=str(exc), retry_in=retry_in)
+
+        await run_every(service.interval_seconds, service.run_once, errors=RETRYABLE_ERRORS, on_error=failed)
+
+
+__all__ = ["INTERVAL_SECONDS", "Maintainer", "PromoteDue", "PruneHistory", "ReclaimExpired", "Service"]
