@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from gpuq.config import ConfigError, use_uvloop
+from gpuq.config import ConfigError
+from gpuq.runtime import use_uvloop
 
 SUBCOMMANDS = ["migrate", "serve", "sweep", "agent", "enqueue", "status", "dev", "bench"]
 

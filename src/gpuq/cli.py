@@ -10,15 +10,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
 
-from gpuq import __version__, logs
-from gpuq.config import run_service
+from gpuq import __version__, config, logs
+from gpuq.runtime import run_service
 from gpuq.signals import stop_on_signal
 
 EXIT_USAGE = 2
@@ -57,7 +56,7 @@ def _run(command: Callable[[Any], int], arg: Any) -> int:
         return EXIT_FAILURE
 
 
-LOGGING_COMMANDS = {"serve", "sweep", "agent", "dev"}
+LOGGING_COMMANDS = set(config.LOGGED)
 STDERR_LOG_COMMANDS = {"dev"}  # dev prints progress on stdout
 
 
@@ -98,54 +97,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     m = sub.add_parser("migrate", help="apply database migrations (safe to run concurrently)")
-    _db_flag(m)
+    config.add_flags(m, "migrate")
     m.set_defaults(func=cmd_migrate)
 
-    s = sub.add_parser("serve", help="run the dispatcher, sweeper and agent server")
-    _db_flag(s)
-    s.add_argument("--listen", help="host:port for /agent, /healthz, /status, /metrics "
-                   "(env GPUQ_LISTEN, default 127.0.0.1:8765)")
-    s.add_argument("--tokens", help="comma-separated bearer tokens agents may use (env GPUQ_TOKENS)")
-    s.add_argument("--lease-seconds", type=float, help="lease length (env GPUQ_LEASE_SECONDS, default 60)")
-    s.add_argument("--heartbeat-seconds", type=float,
-                   help="agent heartbeat interval (env GPUQ_HEARTBEAT_SECONDS, default 15)")
-    s.add_argument("--poll-seconds", type=float,
-                   help="lease poll interval while agents have free capacity (env GPUQ_POLL_SECONDS, default 2)")
-    s.add_argument("--retention", help="delete done/dead jobs older than this, e.g. 7d (env GPUQ_RETENTION; "
-                   "default: keep)")
-    s.add_argument("--drain-seconds", type=float,
-                   help="on SIGTERM, how long to wait for agents' results (env GPUQ_DRAIN_SECONDS, default 30)")
-    s.add_argument("--tls-cert", help="PEM certificate: serve wss:// and https:// (env GPUQ_TLS_CERT)")
-    s.add_argument("--tls-key", help="PEM private key for --tls-cert (env GPUQ_TLS_KEY)")
-    _log_flags(s)
+    s = sub.add_parser("serve", help="run the dispatcher, maintenance services and agent server")
+    config.add_flags(s, "serve")
     s.set_defaults(func=cmd_serve)
 
-    w = sub.add_parser("sweep", help="run only the sweeper (reclaim expired leases, promote retries, retention)")
-    _db_flag(w)
-    w.add_argument("--interval", type=float, default=2.0, help="seconds between ticks (default 2)")
-    w.add_argument("--retention", help="delete done/dead jobs older than this, e.g. 7d (default: keep)")
-    w.add_argument("--once", action="store_true", help="run one tick, print what it did, exit")
-    _log_flags(w)
+    w = sub.add_parser("sweep", help="run only the maintenance services (reclaim expired leases, "
+                       "promote retries, retention)")
+    config.add_flags(w, "sweep")
+    w.add_argument("--once", action="store_true", help="run each service once, print what it did, exit")
     w.set_defaults(func=cmd_sweep)
 
     a = sub.add_parser("agent", help="run an agent that executes jobs with a handler")
-    a.add_argument("--url", default=os.environ.get("GPUQ_URL", "ws://127.0.0.1:8765/agent"),
-                   help="server websocket URL (env GPUQ_URL, default ws://127.0.0.1:8765/agent)")
-    a.add_argument("--token", default=os.environ.get("GPUQ_TOKEN"), help="bearer token (env GPUQ_TOKEN)")
-    a.add_argument("--kinds", default=os.environ.get("GPUQ_KINDS"),
-                   help="comma-separated job kinds to take (env GPUQ_KINDS)")
-    a.add_argument("--capacity", type=int, default=int(os.environ.get("GPUQ_CAPACITY", "1")),
-                   help="jobs run at once (env GPUQ_CAPACITY, default 1)")
-    a.add_argument("--handler", default=os.environ.get("GPUQ_HANDLER", "gpuq.demo:handle"),
-                   help="module:function called per job (env GPUQ_HANDLER, default gpuq.demo:handle)")
-    a.add_argument("--name", default=os.environ.get("GPUQ_AGENT_NAME"),
-                   help="agent name in logs and leased_by (env GPUQ_AGENT_NAME, default: hostname)")
+    config.add_flags(a, "agent")
     a.add_argument("--ca-file", help="CA bundle to verify a wss:// server")
-    _log_flags(a)
     a.set_defaults(func=cmd_agent)
 
     e = sub.add_parser("enqueue", help="enqueue a job, or JSON lines from stdin with --stdin")
-    _db_flag(e)
     e.add_argument("kind", nargs="?", help="job kind (routing key)")
     e.add_argument("payload", nargs="?", default="{}", help="JSON payload (default {})")
     e.add_argument("--priority", type=int, default=0, help="higher runs first (default 0)")
@@ -155,10 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--stdin", action="store_true",
                    help='bulk: one JSON object per line, {"kind": ..., "payload": ..., "priority": ...}')
     e.add_argument("--batch", type=int, default=1000, help="rows per INSERT with --stdin (default 1000)")
+    config.add_flags(e, "enqueue")
     e.set_defaults(func=cmd_enqueue)
 
     t = sub.add_parser("status", help="live job counts per kind and state (never scans history)")
-    _db_flag(t)
+    config.add_flags(t, "status")
     t.add_argument("--json", action="store_true", help="print JSON instead of a table")
     t.add_argument("--server", help="also show connected agents, from a server's /status (http://host:port)")
     t.set_defaults(func=cmd_status)
@@ -172,23 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--duration", type=float, help="stop after this many seconds (default: until Ctrl-C)")
     d.add_argument("--data-dir", default=".gpuq", help="where the embedded cluster lives (default .gpuq)")
     d.add_argument("--port", type=int, default=8765, help="server port (default 8765; 0 = any free port)")
-    _log_flags(d)
+    config.add_flags(d, "dev")
     d.set_defaults(func=cmd_dev)
 
     # Parsed by gpuq.bench.main (see main()); listed here for --help only.
     sub.add_parser("bench", help="benchmarks: `gpuq bench --help` lists them (see docs/benchmarks.md)",
                    add_help=False)
     return p
-
-
-def _db_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--database-url", help="PostgreSQL DSN (env DATABASE_URL)")
-
-
-def _log_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--log-format", choices=logs.FORMATS, help="env GPUQ_LOG_FORMAT, default auto "
-                   "(console on a terminal, else JSON lines)")
-    p.add_argument("--log-level", help="debug, info, warning, error (env GPUQ_LOG_LEVEL, default info)")
 
 
 def cmd_bench(argv: list[str]) -> int:
@@ -200,7 +161,7 @@ def cmd_bench(argv: list[str]) -> int:
 
 
 def _dsn(args: argparse.Namespace) -> str:
-    dsn = getattr(args, "database_url", None) or os.environ.get("DATABASE_URL")
+    dsn = config.get("database_url", flag=getattr(args, "database_url", None))
     if not dsn:
         raise CLIError("no database: set DATABASE_URL or --database-url (or run `gpuq dev`)")
     return dsn
@@ -220,25 +181,16 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from gpuq.config import ServerConfig, parse_duration, parse_listen, parse_tokens
     from gpuq.server import serve, ssl_context
 
-    config = ServerConfig.from_env(
-        database_url=args.database_url,
-        listen=parse_listen(args.listen) if args.listen else None,
-        tokens=parse_tokens(args.tokens) if args.tokens else None,
-        lease_seconds=args.lease_seconds, heartbeat_seconds=args.heartbeat_seconds,
-        poll_seconds=args.poll_seconds, drain_seconds=args.drain_seconds,
-        retention_seconds=parse_duration(args.retention, "--retention") if args.retention else None,
-    )
-    tls = ssl_context(args.tls_cert or os.environ.get("GPUQ_TLS_CERT"),
-                      args.tls_key or os.environ.get("GPUQ_TLS_KEY"))
+    server_config = config.ServerConfig.from_env(flags=config.flag_values(args, "serve"))
+    tls = ssl_context(config.get("tls_cert", flag=args.tls_cert), config.get("tls_key", flag=args.tls_key))
 
     async def run() -> None:
         stop = anyio.Event()
         async with anyio.create_task_group() as tg:
             tg.start_soon(stop_on_signal, stop.set)
-            await serve(config, stop=stop, tls=tls)
+            await serve(server_config, stop=stop, tls=tls)
             tg.cancel_scope.cancel()
 
     run_service(run)
@@ -247,15 +199,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from gpuq import db
-    from gpuq.config import parse_duration
     from gpuq.maintenance import Maintainer
 
-    retention = parse_duration(args.retention, "--retention") if args.retention else None
+    interval = config.get("sweep_seconds", flag=args.sweep_seconds)
+    retention = config.get("retention_seconds", flag=args.retention_seconds)
 
     async def run() -> None:
         pool = await db.create_pool(_dsn(args), min_size=1, max_size=2)
         try:
-            maintainer = Maintainer.standard(pool, args.interval, retention)
+            maintainer = Maintainer.standard(pool, interval, retention)
             if args.once:
                 r = await maintainer.run_once()
                 print(json.dumps({k: r[k] for k in ("reclaimed", "dead", "promoted", "pruned")}))
@@ -276,18 +228,19 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_agent(args: argparse.Namespace) -> int:
     from gpuq.agent import Agent
 
-    if not args.token:
+    token, kinds = config.get("token", flag=args.token), config.get("kinds", flag=args.kinds)
+    if not token:
         raise CLIError("no token: set GPUQ_TOKEN or --token")
-    if not args.kinds:
+    if not kinds:
         raise CLIError("no kinds: set GPUQ_KINDS or --kinds (comma-separated)")
-    handler = load_handler(args.handler)
+    handler = load_handler(config.get("handler", flag=args.handler))
     ctx = None
     if args.ca_file:
         import ssl
 
         ctx = ssl.create_default_context(cafile=args.ca_file)
-    agent = Agent(args.url, args.token, [k.strip() for k in args.kinds.split(",") if k.strip()],
-                  args.capacity, handler, args.name, ssl_context=ctx)
+    agent = Agent(config.get("url", flag=args.url), token, kinds, config.get("capacity", flag=args.capacity),
+                  handler, config.get("agent_name", flag=args.agent_name), ssl_context=ctx)
     run_service(agent.run_until_signal)
     return 0
 

@@ -1,20 +1,28 @@
-"""Configuration: every setting, its environment variable, its default, in one table.
+"""Every setting of gpuq, one row each: name, environment variable, default, parser, help, flags.
 
-Flags override the environment; the environment overrides the defaults. Bad
-values raise ``ConfigError`` with one line naming the setting.
+``SETTINGS`` is the single source: CLI flags and their help are built from it
+(``add_flags``), ``ServerConfig`` takes its defaults from it, the README's
+configuration table is generated from it (``markdown_table``), and the deploy
+files are checked against it by tests. Flags override the environment; the
+environment overrides the defaults. A bad value raises ``ConfigError``, one
+line naming the setting.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 
 class ConfigError(ValueError):
     """A setting has a bad value (one clear line for the CLI)."""
+
+
+# -- parsers: (text, label) -> value ----------------------------------------
 
 
 def parse_duration(text: str, name: str = "duration") -> float:
@@ -25,43 +33,196 @@ def parse_duration(text: str, name: str = "duration") -> float:
     return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
 
 
-def parse_listen(text: str) -> tuple[str, int]:
+def parse_listen(text: str, name: str = "GPUQ_LISTEN") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"GPUQ_LISTEN: {text!r} is not host:port (e.g. 127.0.0.1:8765)")
+        raise ConfigError(f"{name}: {text!r} is not host:port (e.g. 127.0.0.1:8765)")
     return host.strip("[]") or "0.0.0.0", int(port)  # noqa: S104 (":8765" means all interfaces)
 
 
-def _positive(value: float, name: str) -> float:
-    if value <= 0:
-        raise ConfigError(f"{name} must be positive, not {value}")
-    return value
+def parse_tokens(text: str, name: str = "GPUQ_TOKENS") -> frozenset[str]:
+    tokens = frozenset(t.strip() for t in text.split(",") if t.strip())
+    if not tokens:
+        raise ConfigError(f"{name} is set but holds no token")
+    return tokens
+
+
+def parse_int(text: str, name: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name}: {text!r} is not an integer") from None
+
+
+def parse_text(text: str, name: str) -> str:
+    return text
+
+
+def _choice(*options: str) -> Callable[[str, str], str]:
+    def parse(text: str, name: str) -> str:
+        value = text.strip().lower() or options[0]
+        if value not in options:
+            raise ConfigError(f"{name}: {value!r} is not one of {', '.join(options)}")
+        return value
+
+    return parse
+
+
+def parse_kinds(text: str, name: str = "GPUQ_KINDS") -> list[str]:
+    return [k.strip() for k in text.split(",") if k.strip()]
+
+
+# -- the table ---------------------------------------------------------------
+
+SERVE = "serve"
+AGENT = "agent"
+LOGGED = ("serve", "sweep", "agent", "dev")  # the long-running commands
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # the field name (ServerConfig, parsed flags)
+    env: str
+    default: Any  # None: unset (see ``shown``)
+    parse: Callable[[str, str], Any]
+    help: str
+    flags: Mapping[str, str] = field(default_factory=dict)  # command -> its flag
+    shown: str | None = None  # the default as the docs show it, when not str(default)
+    used_by: str = ""  # who reads it, for the docs (default: the flags' commands)
+
+    @property
+    def shown_default(self) -> str:
+        if self.shown is not None:
+            return self.shown
+        if isinstance(self.default, float) and self.default.is_integer():
+            return str(int(self.default))
+        return str(self.default)
+
+    @property
+    def users(self) -> str:
+        return self.used_by or ", ".join(self.flags)
+
+
+_DB_COMMANDS = ("migrate", "serve", "sweep", "enqueue", "status")
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("database_url", "DATABASE_URL", None, parse_text, "PostgreSQL DSN",
+            {c: "--database-url" for c in _DB_COMMANDS}, shown="required (not for `dev`)"),
+    Setting("listen", "GPUQ_LISTEN", ("127.0.0.1", 8765), parse_listen,
+            "host:port of /agent and the HTTP endpoints", {SERVE: "--listen"}, shown="`127.0.0.1:8765`"),
+    Setting("tokens", "GPUQ_TOKENS", frozenset(), parse_tokens,
+            "comma-separated bearer tokens agents may present", {SERVE: "--tokens"}, shown="required"),
+    Setting("lease_seconds", "GPUQ_LEASE_SECONDS", 60.0, parse_duration,
+            "lease length; a silent agent's jobs return after it", {SERVE: "--lease-seconds"}),
+    Setting("heartbeat_seconds", "GPUQ_HEARTBEAT_SECONDS", 15.0, parse_duration,
+            "agents' heartbeat interval (below the lease)", {SERVE: "--heartbeat-seconds"}),
+    Setting("poll_seconds", "GPUQ_POLL_SECONDS", 2.0, parse_duration,
+            "lease poll while agents have free credit (a lost NOTIFY costs at most this)",
+            {SERVE: "--poll-seconds"}),
+    Setting("sweep_seconds", "GPUQ_SWEEP_SECONDS", 2.0, parse_duration,
+            "interval of the maintenance services (reclaim, promote, retention)",
+            {"sweep": "--interval"}, used_by="serve, sweep"),
+    Setting("retention_seconds", "GPUQ_RETENTION", None, parse_duration,
+            "delete done/dead jobs older than this (`7d`, `12h`, `30m`, seconds)",
+            {SERVE: "--retention", "sweep": "--retention"}, shown="keep"),
+    Setting("drain_seconds", "GPUQ_DRAIN_SECONDS", 30.0, parse_duration,
+            "on SIGTERM, wait this long for agents' results", {SERVE: "--drain-seconds"}),
+    Setting("max_payload", "GPUQ_MAX_PAYLOAD", 1 << 20, parse_int,
+            "largest frame from an agent, bytes (close 1009)", used_by=SERVE),
+    Setting("max_batch", "GPUQ_MAX_BATCH", 256, parse_int,
+            "jobs per lease statement (shared by the agents that take the same kinds)", used_by=SERVE),
+    Setting("max_connections", "GPUQ_MAX_CONNECTIONS", 10_000, parse_int,
+            "agent connections in total (more get HTTP 503)", used_by=SERVE),
+    Setting("max_connections_per_ip", "GPUQ_MAX_CONNECTIONS_PER_IP", 2_000, parse_int,
+            "per peer address (more get HTTP 429)", used_by=SERVE),
+    Setting("max_messages_per_second", "GPUQ_MAX_MESSAGES_PER_SECOND", 5_000, parse_int,
+            "per connection, 2 s burst (close 4008)", used_by=SERVE),
+    Setting("tls_cert", "GPUQ_TLS_CERT", None, parse_text, "PEM certificate: serve wss:// and https://",
+            {SERVE: "--tls-cert"}, shown="off"),
+    Setting("tls_key", "GPUQ_TLS_KEY", None, parse_text, "PEM private key for the certificate",
+            {SERVE: "--tls-key"}, shown="off"),
+    Setting("url", "GPUQ_URL", "ws://127.0.0.1:8765/agent", parse_text, "server websocket URL",
+            {AGENT: "--url"}),
+    Setting("token", "GPUQ_TOKEN", None, parse_text, "bearer token", {AGENT: "--token"}, shown="required"),
+    Setting("kinds", "GPUQ_KINDS", None, parse_kinds, "comma-separated job kinds to take",
+            {AGENT: "--kinds"}, shown="required"),
+    Setting("capacity", "GPUQ_CAPACITY", 1, parse_int, "jobs run at once", {AGENT: "--capacity"}),
+    Setting("handler", "GPUQ_HANDLER", "gpuq.demo:handle", parse_text, "module:function called per job",
+            {AGENT: "--handler"}),
+    Setting("agent_name", "GPUQ_AGENT_NAME", None, parse_text, "agent name in logs and leased_by",
+            {AGENT: "--name"}, shown="hostname"),
+    Setting("log_format", "GPUQ_LOG_FORMAT", "auto", _choice("auto", "json", "console"),
+            "`json` lines, or `console`; auto = console on a terminal", dict.fromkeys(LOGGED, "--log-format")),
+    Setting("log_level", "GPUQ_LOG_LEVEL", "info", _choice("info", "debug", "warning", "error", "critical"),
+            "debug, info, warning, error", dict.fromkeys(LOGGED, "--log-level")),
+    Setting("event_loop", "GPUQ_EVENT_LOOP", "auto", _choice("auto", "uvloop", "asyncio"),
+            "`uvloop` (auto picks it where installed; a dependency on Linux) or `asyncio`; "
+            "logged as `event_loop` at startup", used_by="serve, agent, sweep, dev"),
+    Setting("pg_bindir", "GPUQ_PG_BINDIR", None, parse_text,
+            "PostgreSQL server binaries for `dev` and the tests", shown="found", used_by="dev, tests"),
+    Setting("migrations", "GPUQ_MIGRATIONS", None, parse_text, "a different migrations directory",
+            shown="shipped SQL", used_by="migrate, serve"),
+    Setting("demo_seconds", "GPUQ_DEMO_SECONDS", 0.05, parse_duration,
+            "simulated GPU time of the demo handler", used_by="gpuq.demo:handle"),
+)
+BY_NAME = {s.name: s for s in SETTINGS}
+BY_ENV = {s.env: s for s in SETTINGS}
+
+
+def default(name: str) -> Any:
+    return BY_NAME[name].default
+
+
+def get(name: str, env: Mapping[str, str] | None = None, flag: str | None = None) -> Any:
+    """The value of a setting: the flag's text, else the environment's, else the default."""
+    s = BY_NAME[name]
+    text = flag if flag is not None else (os.environ if env is None else env).get(s.env) or None
+    return s.default if text is None else s.parse(text, s.env)
+
+
+# -- the CLI -----------------------------------------------------------------
+
+
+def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """Add every setting's flag for ``command``; values stay text until ``get`` parses them."""
+    for s in SETTINGS:
+        if flag := s.flags.get(command):
+            parser.add_argument(flag, dest=s.name, default=None, metavar=flag[2:].upper().replace("-", "_"),
+                                help=f"{s.help} (env {s.env}; default: {s.shown_default})".replace("`", ""))
+
+
+def flag_values(args: argparse.Namespace, command: str) -> dict[str, str]:
+    """The flags given on the command line, by setting name, as text."""
+    return {s.name: v for s in SETTINGS if command in s.flags
+            and (v := getattr(args, s.name, None)) is not None}
+
+
+# -- gpuq serve --------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Settings of ``gpuq serve`` (dispatcher + sweeper + websocket/HTTP server)."""
+    """Settings of ``gpuq serve`` (dispatcher + maintenance + websocket/HTTP server)."""
 
     database_url: str
-    listen: tuple[str, int] = ("127.0.0.1", 8765)
-    tokens: frozenset[str] = field(default_factory=frozenset)
-    lease_seconds: float = 60.0
-    heartbeat_seconds: float = 15.0
-    poll_seconds: float = 2.0
-    max_payload: int = 1 << 20
-    # Jobs per lease statement, shared by the agents that take the same kinds:
-    # 256 beat 64 by 10-39% in the throughput bench (4 agents x 64, fewer commits).
-    max_batch: int = 256
-    sweep_seconds: float = 2.0
-    retention_seconds: float | None = None
-    drain_seconds: float = 30.0
-    max_connections: int = 10_000  # agent connections, in total
-    max_connections_per_ip: int = 2_000
-    max_messages_per_second: int = 5_000  # per connection, averaged over a 2 s burst
+    listen: tuple[str, int] = default("listen")
+    tokens: frozenset[str] = default("tokens")
+    lease_seconds: float = default("lease_seconds")
+    heartbeat_seconds: float = default("heartbeat_seconds")
+    poll_seconds: float = default("poll_seconds")
+    max_payload: int = default("max_payload")
+    max_batch: int = default("max_batch")
+    sweep_seconds: float = default("sweep_seconds")
+    retention_seconds: float | None = default("retention_seconds")
+    drain_seconds: float = default("drain_seconds")
+    max_connections: int = default("max_connections")
+    max_connections_per_ip: int = default("max_connections_per_ip")
+    max_messages_per_second: int = default("max_messages_per_second")
 
     def __post_init__(self) -> None:
         for name in ("lease_seconds", "heartbeat_seconds", "poll_seconds", "sweep_seconds", "drain_seconds"):
-            _positive(getattr(self, name), name)
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
         if self.heartbeat_seconds >= self.lease_seconds:
             raise ConfigError(
                 f"heartbeat_seconds ({self.heartbeat_seconds}) must be shorter than lease_seconds "
@@ -74,86 +235,38 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be at least 1, not {getattr(self, name)}")
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> ServerConfig:
-        """Build from ``GPUQ_*``/``DATABASE_URL`` variables, then ``overrides`` (non-None flags)."""
-        env = dict(os.environ if env is None else env)
-        values: dict[str, Any] = {}
-        if v := env.get("DATABASE_URL"):
-            values["database_url"] = v
-        if v := env.get("GPUQ_LISTEN"):
-            values["listen"] = parse_listen(v)
-        if v := env.get("GPUQ_TOKENS"):
-            values["tokens"] = parse_tokens(v)
-        for key, name in DURATIONS.items():
-            if v := env.get(name):
-                values[key] = parse_duration(v, name)
-        for key, name in INTEGERS.items():
-            if v := env.get(name):
-                values[key] = _int(v, name)
+    def from_env(cls, env: Mapping[str, str] | None = None, flags: Mapping[str, str] | None = None,
+                 **overrides: Any) -> ServerConfig:
+        """From the environment, then ``flags`` (text, by setting name), then ``overrides`` (values)."""
+        flags = flags or {}
+        names = [f for f in cls.__dataclass_fields__]
+        values = {n: get(n, env, flags.get(n)) for n in names}
         values.update({k: v for k, v in overrides.items() if v is not None})
         if not values.get("database_url"):
             raise ConfigError("no database: set DATABASE_URL or --database-url (or run `gpuq dev`)")
         return cls(**values)
 
 
-DURATIONS = {
-    "lease_seconds": "GPUQ_LEASE_SECONDS",
-    "heartbeat_seconds": "GPUQ_HEARTBEAT_SECONDS",
-    "poll_seconds": "GPUQ_POLL_SECONDS",
-    "sweep_seconds": "GPUQ_SWEEP_SECONDS",
-    "retention_seconds": "GPUQ_RETENTION",
-    "drain_seconds": "GPUQ_DRAIN_SECONDS",
-}
-INTEGERS = {
-    "max_payload": "GPUQ_MAX_PAYLOAD",
-    "max_batch": "GPUQ_MAX_BATCH",
-    "max_connections": "GPUQ_MAX_CONNECTIONS",
-    "max_connections_per_ip": "GPUQ_MAX_CONNECTIONS_PER_IP",
-    "max_messages_per_second": "GPUQ_MAX_MESSAGES_PER_SECOND",
-}
+# -- docs --------------------------------------------------------------------
 
 
-EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+def markdown_table() -> str:
+    """The README's configuration table (tests/test_docs.py keeps the README equal to it)."""
+    rows = ["| flag | environment | default | used by | meaning |", "|---|---|---|---|---|"]
+    for s in SETTINGS:
+        shown = f"`{s.shown_default}`" if s.shown is None else s.shown
+        rows.append(f"| {_flags_cell(s)} | `{s.env}` | {shown} | {s.users} | {s.help} |")
+    return "\n".join(rows)
 
 
-def use_uvloop(env: dict[str, str] | None = None) -> bool:
-    """``GPUQ_EVENT_LOOP``: uvloop (the default where it is installed) or asyncio's own loop.
-
-    uvloop cut serve's and the agents' CPU per job by 5-13 % in the
-    throughput bench; ``asyncio`` is there for debugging and odd platforms.
-    """
-    choice = (os.environ if env is None else env).get("GPUQ_EVENT_LOOP", "auto").strip().lower() or "auto"
-    if choice not in EVENT_LOOPS:
-        raise ConfigError(f"GPUQ_EVENT_LOOP: {choice!r} is not one of {', '.join(EVENT_LOOPS)}")
-    if choice == "asyncio":
-        return False
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        if choice == "uvloop":
-            raise ConfigError("GPUQ_EVENT_LOOP=uvloop but uvloop is not installed "
-                              "(pip install uvloop)") from None
-        return False
-    return True
+def _flags_cell(s: Setting) -> str:
+    by_flag: dict[str, list[str]] = {}
+    for command, flag in s.flags.items():
+        by_flag.setdefault(flag, []).append(command)
+    cells = [f"`{flag}`" if len(commands) > 2 else ", ".join(f"`{c} {flag}`" for c in commands)
+             for flag, commands in by_flag.items()]
+    return ", ".join(cells) or "—"
 
 
-def run_service(fn: Callable[..., Any], *args: Any) -> Any:
-    """``anyio.run`` for the long-running commands (serve, sweep, agent, dev), on the loop
-    ``GPUQ_EVENT_LOOP`` picks."""
-    import anyio
-
-    return anyio.run(fn, *args, backend_options={"use_uvloop": use_uvloop()})
-
-
-def parse_tokens(text: str) -> frozenset[str]:
-    tokens = frozenset(t.strip() for t in text.split(",") if t.strip())
-    if not tokens:
-        raise ConfigError("GPUQ_TOKENS is set but holds no token")
-    return tokens
-
-
-def _int(text: str, name: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ConfigError(f"{name}: {text!r} is not an integer") from None
+if __name__ == "__main__":  # python -m gpuq.config: print the README table
+    print(markdown_table())

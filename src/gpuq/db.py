@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import asyncpg
 
 from gpuq.plans import PLAN_SETTINGS
-
-DEFAULT_DSN_ENV = "DATABASE_URL"
 
 
 class DatabaseUnavailable(RuntimeError):
@@ -62,10 +59,6 @@ def redact(dsn: str) -> str:
     creds, host = rest.rsplit("@", 1)
     user = creds.split(":", 1)[0]
     return f"{scheme}://{user}@{host}"
-
-
-def dsn_from_env() -> str | None:
-    return os.environ.get(DEFAULT_DSN_ENV) or None
 
 
 # What a long-running service logs and retries instead of dying on: the

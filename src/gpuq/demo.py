@@ -6,17 +6,17 @@ The job's payload may set ``seconds`` (how long the "GPU" works) and
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import anyio
 
+from gpuq import config
 from gpuq.agent import Job
 
 
 async def handle(job: Job) -> dict[str, Any]:
     payload = job.payload if isinstance(job.payload, dict) else {}
-    seconds = float(payload.get("seconds", os.environ.get("GPUQ_DEMO_SECONDS", "0.05")))
+    seconds = float(payload.get("seconds", config.get("demo_seconds")))
     await anyio.sleep(seconds)
     if payload.get("fail"):
         raise RuntimeError("demo failure requested by the payload")

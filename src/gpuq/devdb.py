@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuq import config
+
 INSTALL_HINT = (
     "PostgreSQL server binaries (initdb, pg_ctl, postgres) not found. "
     "Install them with `apt-get install postgresql` (Debian/Ubuntu), or set "
@@ -63,7 +65,7 @@ def find_bindir(candidates: list[str] | None = None) -> Path:
     ``$GPUQ_PG_BINDIR``, when set, is the only place looked at (so a wrong
     value is an error, not silently another server version).
     """
-    if env := os.environ.get("GPUQ_PG_BINDIR"):
+    if env := config.get("pg_bindir"):
         if _has_server_tools(env):
             return Path(env)
         raise DevDBError(f"GPUQ_PG_BINDIR={env} does not hold {', '.join(SERVER_TOOLS)}. {INSTALL_HINT}")

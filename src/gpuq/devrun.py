@@ -19,11 +19,12 @@ import anyio
 
 from gpuq import devdb, logs, metrics, queue
 from gpuq.agent import Agent
-from gpuq.config import ServerConfig, run_service
+from gpuq.config import ServerConfig
 from gpuq.db import create_pool
 from gpuq.demo import handle
 from gpuq.migrate import migrate
 from gpuq.queue import NewJob
+from gpuq.runtime import run_service
 from gpuq.server import serve
 from gpuq.signals import stop_on_signal
 

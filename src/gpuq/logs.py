@@ -9,25 +9,21 @@ Every job event carries its ids as keys (``job_id``, ``agent``, ``kind``,
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Any
 
 import structlog
 
-FORMATS = ("auto", "json", "console")
+from gpuq import config
+
 _level = logging.NOTSET  # unconfigured structlog prints every level
 
 
 def configure(fmt: str | None = None, level: str | None = None, stream: Any = None) -> None:
     """Configure structlog for the process (``GPUQ_LOG_FORMAT``, ``GPUQ_LOG_LEVEL``)."""
-    fmt = (fmt or os.environ.get("GPUQ_LOG_FORMAT") or "auto").lower()
-    if fmt not in FORMATS:
-        raise ValueError(f"log format must be one of {', '.join(FORMATS)}, not {fmt!r}")
-    level_name = (level or os.environ.get("GPUQ_LOG_LEVEL") or "info").upper()
+    fmt = config.get("log_format", flag=fmt)
+    level_name = config.get("log_level", flag=level).upper()
     numeric = logging.getLevelName(level_name)
-    if not isinstance(numeric, int):
-        raise ValueError(f"unknown log level {level_name!r}")
     global _level
     _level = numeric
     stream = stream or sys.stdout

@@ -9,13 +9,13 @@ error rather than a silent drift.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import asyncpg
 
+from gpuq import config
 from gpuq.db import connect
 from gpuq.sql import queries
 
@@ -41,7 +41,7 @@ class Migration:
 
 def migrations_dir() -> Path:
     """``$GPUQ_MIGRATIONS``, else the SQL shipped in the package (the top-level ``migrations/``)."""
-    if env := os.environ.get("GPUQ_MIGRATIONS"):
+    if env := config.get("migrations"):
         return Path(env)
     return Path(__file__).parent / "migrations"
 

@@ -19,7 +19,8 @@ from typing import Any
 
 import asyncpg
 
-from gpuq.db import DEFAULT_DSN_ENV, DatabaseUnavailable, redact
+from gpuq import config
+from gpuq.db import DatabaseUnavailable, redact
 from gpuq.devdb import Cluster, DevDBError, throwaway_cluster
 from gpuq.migrate import migrate
 
@@ -40,7 +41,7 @@ class Refused(RuntimeError):
 def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--database-url", default=None,
-        help=f"PostgreSQL to run on (default: ${DEFAULT_DSN_ENV}, else a throwaway embedded "
+        help="PostgreSQL to run on (default: $DATABASE_URL, else a throwaway embedded "
              "cluster). The bench DROPS and recreates the gpuq schema there.",
     )
     p.add_argument("--yes", action="store_true",
@@ -55,7 +56,7 @@ def progress(msg: str) -> None:
 def target(args: argparse.Namespace) -> Iterator[tuple[str, Cluster | None]]:
     """Yield ``(dsn, cluster)`` to bench on: the given/env database (with --yes; cluster
     None), or a throwaway embedded cluster (destroyed afterwards)."""
-    url = getattr(args, "database_url", None) or os.environ.get(DEFAULT_DSN_ENV) or None
+    url = config.get("database_url", flag=getattr(args, "database_url", None))
     if url:
         print(f"WARNING: this bench DROPS and recreates the gpuq schema in {redact(url)}",
               file=sys.stderr, flush=True)
