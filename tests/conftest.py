@@ -1,8 +1,15 @@
-"""Test fixtures: a real PostgreSQL for the whole session, a clean schema per test.
+"""Test fixtures: a real PostgreSQL for the whole session.
 
 The server is a throwaway embedded cluster (gpuq.devdb), or ``$DATABASE_URL``
-when set. Each test starts from a freshly migrated ``gpuq`` schema: tests
-drop it, so never point DATABASE_URL at a database whose queue you want.
+when set; tests drop its ``gpuq`` schema, so never point DATABASE_URL at a
+database whose queue you want. Tiers: ``tests/unit`` (no database),
+``tests/integration`` (this PostgreSQL), ``tests/acceptance`` (subprocesses).
+
+- ``conn``: one connection inside a transaction that is rolled back at the
+  end, on an empty migrated schema. The cheap default.
+- ``dsn`` (and ``pool``, ``live_conn``, ``notifications``): a freshly migrated
+  schema whose changes commit, for tests that need a second connection,
+  LISTEN/NOTIFY, VACUUM or autovacuum, or a running server.
 """
 
 from __future__ import annotations
@@ -63,11 +70,27 @@ async def pool(dsn: str) -> AsyncIterator[asyncpg.Pool]:
 
 
 @pytest.fixture
-async def conn(dsn: str) -> AsyncIterator[asyncpg.Connection]:
+async def live_conn(dsn: str) -> AsyncIterator[asyncpg.Connection]:
+    """A plain connection on a fresh schema: what it does commits."""
     c = await db.connect(dsn)
     try:
         yield c
     finally:
+        await c.close()
+
+
+@pytest.fixture
+async def conn(server_dsn: str) -> AsyncIterator[asyncpg.Connection]:
+    """A connection in a transaction on an empty, migrated schema; rolled back afterwards."""
+    await migrate(server_dsn)  # "up to date" unless a test dropped the schema
+    c = await db.connect(server_dsn)
+    tx = c.transaction()
+    await tx.start()
+    try:
+        await c.execute("TRUNCATE gpuq.jobs RESTART IDENTITY")  # what committed tests left
+        yield c
+    finally:
+        await tx.rollback()
         await c.close()
 
 

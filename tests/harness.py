@@ -1,13 +1,17 @@
-"""Run a real gpuq server (and agents) in-process on 127.0.0.1 for tests."""
+"""Run a real gpuq server (and agents) in-process on 127.0.0.1 for tests, and talk to it raw."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+from websockets.asyncio.client import ClientConnection, connect
 
 from gpuq.agent import Agent
 from gpuq.config import ServerConfig
@@ -73,3 +77,35 @@ async def running_server(dsn: str, **overrides: Any) -> AsyncIterator[Running]:
             for a in run.agents:
                 a.stop()
             stop.set()
+
+
+async def raw_agent(srv: Running, kinds: tuple[str, ...] = ("embed",), capacity: int = 1,
+                    name: str = "raw") -> tuple[ClientConnection, dict[str, Any]]:
+    """A hand-driven agent connection: hello sent, welcome read."""
+    ws = await connect(srv.url, additional_headers={"Authorization": f"Bearer {TOKEN}"})
+    await ws.send(json.dumps({"type": "hello", "agent": name, "kinds": list(kinds), "capacity": capacity,
+                              "protocol": 1}))
+    welcome = json.loads(await ws.recv())
+    assert welcome["type"] == "welcome"
+    return ws, welcome
+
+
+async def next_of(ws: ClientConnection, kind: str, timeout: float = 5) -> dict[str, Any]:
+    """The next message of type ``kind`` (others are skipped)."""
+    with anyio.fail_after(timeout):
+        while True:
+            msg = json.loads(await ws.recv())
+            if msg["type"] == kind:
+                return dict(msg)
+
+
+async def http_get(url: str) -> tuple[int, str | None, str]:
+    """(status, content type, body) of a GET, errors included."""
+    def fetch() -> tuple[int, str | None, str]:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - a test server on 127.0.0.1
+                return resp.status, resp.headers.get("Content-Type"), resp.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.headers.get("Content-Type"), err.read().decode()
+
+    return await anyio.to_thread.run_sync(fetch)

@@ -94,19 +94,19 @@ async def test_heartbeat_extends_only_the_agents_own_leases(conn):
     assert (await job(conn, theirs.id))["lease_expires_at"] < before + timedelta(seconds=60)
 
 
-async def test_release_agent_returns_its_jobs_and_counts_the_attempt(conn, notifications):
-    await add_pending(conn, 2)
-    a_jobs = (await queue.lease(conn, ["train"], 2, "a#1", LEASE)).jobs
-    b = await _lease_one(conn, "b#1")
-    moved = await queue.release_agent(conn, "a#1")
+async def test_release_agent_returns_its_jobs_and_counts_the_attempt(live_conn, notifications):
+    await add_pending(live_conn, 2)
+    a_jobs = (await queue.lease(live_conn, ["train"], 2, "a#1", LEASE)).jobs
+    b = await _lease_one(live_conn, "b#1")
+    moved = await queue.release_agent(live_conn, "a#1")
     assert sorted(moved.pending) == sorted(j.id for j in a_jobs) and moved.dead == []
     for j in a_jobs:
-        row = await job(conn, j.id)
+        row = await job(live_conn, j.id)
         assert row["status"] == "pending" and row["attempts"] == 1 and row["lease_token"] is None
-    assert (await job(conn, b.id))["status"] == "leased"
+    assert (await job(live_conn, b.id))["status"] == "leased"
     assert await notifications.next() == "train"
     # The released job's old token can no longer complete it.
-    assert not await queue.complete(conn, a_jobs[0].id, a_jobs[0].lease_token, None)
+    assert not await queue.complete(live_conn, a_jobs[0].id, a_jobs[0].lease_token, None)
 
 
 async def test_release_of_a_last_attempt_ends_dead(conn):

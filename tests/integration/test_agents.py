@@ -7,32 +7,15 @@ import pytest
 from websockets.asyncio.client import connect
 
 from gpuq.agent import Agent, AuthError, PermanentError
-from tests.harness import TOKEN, running_server
+from tests.harness import TOKEN, next_of, raw_agent, running_server
 from tests.helpers import status_of, wait_count, wait_status
-
-
-async def _raw_agent(srv, kinds=("embed",), capacity=1, name="raw"):
-    ws = await connect(srv.url, additional_headers={"Authorization": f"Bearer {TOKEN}"})
-    await ws.send(json.dumps({"type": "hello", "agent": name, "kinds": list(kinds), "capacity": capacity,
-                              "protocol": 1}))
-    welcome = json.loads(await ws.recv())
-    assert welcome["type"] == "welcome"
-    return ws, welcome
-
-
-async def _next_of(ws, kind, timeout=5):
-    with anyio.fail_after(timeout):
-        while True:
-            msg = json.loads(await ws.recv())
-            if msg["type"] == kind:
-                return msg
 
 
 async def test_killed_agent_returns_its_job_at_once_and_a_late_done_is_fenced(dsn, pool):
     async with running_server(dsn, lease_seconds=300) as srv:
         jid = await pool.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('embed') RETURNING id")
-        ws, _ = await _raw_agent(srv, name="doomed")
-        pushed = (await _next_of(ws, "jobs"))["jobs"][0]
+        ws, _ = await raw_agent(srv, name="doomed")
+        pushed = (await next_of(ws, "jobs"))["jobs"][0]
         assert pushed["id"] == jid
         ws.transport.abort()  # the process died: no close handshake
         await wait_status(pool, jid, "pending", timeout=5)  # far sooner than the 300 s lease
@@ -49,10 +32,10 @@ async def test_killed_agent_returns_its_job_at_once_and_a_late_done_is_fenced(ds
         await wait_status(pool, jid, "done", timeout=5)
 
         # The dead agent's result shows up late, on a new connection: fenced out.
-        ws2, _ = await _raw_agent(srv, name="doomed")
+        ws2, _ = await raw_agent(srv, name="doomed")
         await ws2.send(json.dumps({"type": "done", "id": jid, "lease_token": pushed["lease_token"],
                                    "result": {"by": "doomed"}}))
-        ack = await _next_of(ws2, "ack")
+        ack = await next_of(ws2, "ack")
         assert ack == {"type": "ack", "accepted": [], "rejected": [jid]}
         await ws2.close()
     row = await pool.fetchrow("SELECT result, attempts FROM gpuq.jobs WHERE id = $1", jid)

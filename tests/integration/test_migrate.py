@@ -81,7 +81,7 @@ async def test_failing_migration_rolls_back_whole_file(dsn, tmp_path: Path):
 def test_the_package_ships_the_top_level_migrations():
     from gpuq import migrate as m
 
-    top = Path(__file__).resolve().parents[1] / "migrations"
+    top = Path(__file__).resolve().parents[2] / "migrations"
     shipped = Path(m.__file__).parent / "migrations"
     assert sorted(p.name for p in shipped.glob("*.sql")) == sorted(p.name for p in top.glob("*.sql"))
     assert [x.checksum for x in load_migrations(shipped)] == [x.checksum for x in load_migrations(top)]

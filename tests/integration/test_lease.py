@@ -191,17 +191,17 @@ async def test_stale_statistics_cannot_turn_the_lease_into_a_scan_of_pending(con
     assert len(got.jobs) == 64
 
 
-async def test_every_gpuq_connection_plans_with_the_lease_guard(pool, conn):
+async def test_every_gpuq_connection_plans_with_the_lease_guard(pool, live_conn):
     """The guard is a startup setting of every connection gpuq.db opens (the
     lease itself no longer sets it), and survives a pool release."""
     for _ in range(3):  # acquire, release, acquire again
         assert await pool.fetchval("SHOW enable_bitmapscan") == "off"
         assert await pool.fetchval("SHOW enable_seqscan") == "off"
         assert await pool.fetchval("SHOW plan_cache_mode") == "force_generic_plan"
-    assert await conn.fetchval("SHOW enable_bitmapscan") == "off"
+    assert await live_conn.fetchval("SHOW enable_bitmapscan") == "off"
 
 
-async def test_autovacuum_clears_the_dead_entries_leases_leave_however_large_the_history(conn):
+async def test_autovacuum_clears_the_dead_entries_leases_leave_however_large_the_history(live_conn):
     """Migration 0003: autovacuum after 20,000 dead row versions, not after 20 % of the table.
 
     Each lease leaves its rows' jobs_pending_idx entries dead in front of the
@@ -210,34 +210,34 @@ async def test_autovacuum_clears_the_dead_entries_leases_leave_however_large_the
     and completed leave 40,000 (fewer once pruning reclaims some), so only the
     table's own threshold of 20,000 can start it.
     """
-    await seed_history(conn, 400_000)
-    await add_pending(conn, 21_000)
+    await seed_history(live_conn, 400_000)
+    await add_pending(live_conn, 21_000)
     # Flush this backend's insert counts first, or they arrive after the VACUUM
     # and start an insert-triggered autovacuum (the 420,000 inserted rows).
-    await conn.execute("SELECT pg_stat_force_next_flush()")
-    await conn.execute("SELECT 1")
-    await conn.execute("VACUUM ANALYZE gpuq.jobs")
-    clean, _, _ = await _phase1_buffers(conn, n=256)
+    await live_conn.execute("SELECT pg_stat_force_next_flush()")
+    await live_conn.execute("SELECT 1")
+    await live_conn.execute("VACUUM ANALYZE gpuq.jobs")
+    clean, _, _ = await _phase1_buffers(live_conn, n=256)
     runs = "SELECT autovacuum_count FROM pg_stat_user_tables WHERE relid = 'gpuq.jobs'::regclass"
     # Autovacuum stays off while the dead prefix is built: the test cluster
     # looks every second and would otherwise clear it before it is measured.
-    await conn.execute("ALTER TABLE gpuq.jobs SET (autovacuum_enabled = false)")
+    await live_conn.execute("ALTER TABLE gpuq.jobs SET (autovacuum_enabled = false)")
     finished = 0
     while finished < 20_000:
-        jobs = (await queue.lease(conn, ["train"], 256, "a#1", LEASE)).jobs
-        finished += len(await queue.complete_many(conn, [(j.id, j.lease_token, None) for j in jobs]))
-    dirty, _, _ = await _phase1_buffers(conn, n=256)
+        jobs = (await queue.lease(live_conn, ["train"], 256, "a#1", LEASE)).jobs
+        finished += len(await queue.complete_many(live_conn, [(j.id, j.lease_token, None) for j in jobs]))
+    dirty, _, _ = await _phase1_buffers(live_conn, n=256)
     assert dirty > clean + 20, (clean, dirty)  # the dead prefix is there to clear
-    await conn.execute("SELECT pg_stat_clear_snapshot()")
-    before = await conn.fetchval(runs)
+    await live_conn.execute("SELECT pg_stat_clear_snapshot()")
+    before = await live_conn.fetchval(runs)
     # Only autovacuum_enabled is reset: migration 0003's thresholds stay as they are.
-    await conn.execute("ALTER TABLE gpuq.jobs RESET (autovacuum_enabled)")
+    await live_conn.execute("ALTER TABLE gpuq.jobs RESET (autovacuum_enabled)")
 
     async def vacuumed():
-        await conn.execute("SELECT pg_stat_clear_snapshot()")
-        return await conn.fetchval(runs) > before
+        await live_conn.execute("SELECT pg_stat_clear_snapshot()")
+        return await live_conn.fetchval(runs) > before
 
     # The test cluster looks every second (devdb); a server with the default naptime, every minute.
     await wait_for(vacuumed, timeout=90, interval=0.5)
-    after, _, _ = await _phase1_buffers(conn, n=256)
+    after, _, _ = await _phase1_buffers(live_conn, n=256)
     assert after <= clean + 8, (clean, dirty, after)

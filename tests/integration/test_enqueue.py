@@ -12,8 +12,8 @@ from gpuq.queue import NewJob
 from tests.helpers import job, seed_history
 
 
-async def test_a_1000_row_insert_raises_exactly_one_notification(conn, notifications):
-    await conn.execute(
+async def test_a_1000_row_insert_raises_exactly_one_notification(live_conn, notifications):
+    await live_conn.execute(
         "INSERT INTO gpuq.jobs (kind, payload) "
         "SELECT CASE WHEN g % 2 = 0 THEN 'train' ELSE 'render' END, '{}' FROM generate_series(1, 1000) g"
     )
@@ -22,9 +22,9 @@ async def test_a_1000_row_insert_raises_exactly_one_notification(conn, notificat
     assert sorted(got[0].split(",")) == ["render", "train"]
 
 
-async def test_inserting_only_history_or_scheduled_rows_notifies_nothing(conn, notifications):
-    await seed_history(conn, 10)
-    await conn.execute("INSERT INTO gpuq.jobs (kind, status, run_at) VALUES ('x', 'scheduled', now() + interval '1h')")
+async def test_inserting_only_history_or_scheduled_rows_notifies_nothing(live_conn, notifications):
+    await seed_history(live_conn, 10)
+    await live_conn.execute("INSERT INTO gpuq.jobs (kind, status, run_at) VALUES ('x', 'scheduled', now() + interval '1h')")
     assert await notifications.drain() == []
 
 
@@ -94,9 +94,9 @@ def test_bad_jobs_are_refused_with_a_clear_error(bad):
 
 
 async def test_the_table_refuses_bad_rows_from_plain_sql(conn):
-    with pytest.raises(asyncpg.CheckViolationError):
-        await conn.execute("INSERT INTO gpuq.jobs (kind) VALUES ('a,b')")
-    with pytest.raises(asyncpg.CheckViolationError):
-        await conn.execute("INSERT INTO gpuq.jobs (kind, status) VALUES ('a', 'leased')")
-    with pytest.raises(asyncpg.CheckViolationError):
-        await conn.execute("INSERT INTO gpuq.jobs (kind, attempts, max_attempts) VALUES ('a', 3, 2)")
+    for bad in ("INSERT INTO gpuq.jobs (kind) VALUES ('a,b')",
+                "INSERT INTO gpuq.jobs (kind, status) VALUES ('a', 'leased')",
+                "INSERT INTO gpuq.jobs (kind, attempts, max_attempts) VALUES ('a', 3, 2)"):
+        with pytest.raises(asyncpg.CheckViolationError):
+            async with conn.transaction():  # a savepoint: the test's transaction goes on
+                await conn.execute(bad)

@@ -26,7 +26,7 @@ import yaml
 from gpuq import config as gpuq_config
 from gpuq.cli import build_parser, load_handler
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 SYSTEMD = DEPLOY / "systemd"
 K8S = DEPLOY / "k8s"

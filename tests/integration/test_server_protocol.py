@@ -8,9 +8,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from gpuq import protocol, server
-from tests.harness import TOKEN, running_server
+from tests.harness import TOKEN, next_of, raw_agent, running_server
 from tests.helpers import sets
-from tests.test_agents import _next_of, _raw_agent
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -31,29 +30,29 @@ async def _closed_with(ws, timeout=5):
 ])
 async def test_bad_frames_get_an_error_and_the_connection_goes_on(dsn, pool, frame, code):
     async with running_server(dsn) as srv:
-        ws, _ = await _raw_agent(srv)
+        ws, _ = await raw_agent(srv)
         await ws.send(frame)
-        err = await _next_of(ws, "error")
+        err = await next_of(ws, "error")
         assert err["code"] == code and err["message"]
         # Still connected and served: a job arrives.
         jid = await pool.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('embed') RETURNING id")
-        job = (await _next_of(ws, "jobs"))["jobs"][0]
+        job = (await next_of(ws, "jobs"))["jobs"][0]
         assert job["id"] == jid
         await ws.send(json.dumps({"type": "done", "id": jid, "lease_token": job["lease_token"], "result": 1}))
-        assert (await _next_of(ws, "ack"))["accepted"] == [jid]
+        assert (await next_of(ws, "ack"))["accepted"] == [jid]
         await ws.close()
 
 
 async def test_outcomes_for_jobs_never_leased_are_fenced_out(dsn, pool):
     async with running_server(dsn) as srv:
         other = await pool.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('else') RETURNING id")
-        ws, _ = await _raw_agent(srv)
+        ws, _ = await raw_agent(srv)
         for msg in ({"type": "done", "id": other, "lease_token": "00000000-0000-0000-0000-000000000000",
                      "result": "forged"},
                     {"type": "failed", "id": 424242, "lease_token": "00000000-0000-0000-0000-000000000000",
                      "error": "forged", "retryable": False}):
             await ws.send(json.dumps(msg))
-            ack = await _next_of(ws, "ack")
+            ack = await next_of(ws, "ack")
             assert ack["accepted"] == [] and ack["rejected"] == [msg["id"]]
         await ws.close()
     row = await pool.fetchrow("SELECT status::text, result, last_error FROM gpuq.jobs WHERE id = $1", other)
@@ -62,11 +61,11 @@ async def test_outcomes_for_jobs_never_leased_are_fenced_out(dsn, pool):
 
 async def test_oversized_and_binary_frames_close_with_documented_codes(dsn, pool):
     async with running_server(dsn, max_payload=4096) as srv:
-        ws, welcome = await _raw_agent(srv)
+        ws, welcome = await raw_agent(srv)
         assert welcome["max_payload"] == 4096
         await ws.send(json.dumps({"type": "heartbeat", "ids": [], "pad": "x" * 5000}))
         assert await _closed_with(ws) == protocol.CloseCode.TOO_BIG
-        ws, _ = await _raw_agent(srv)
+        ws, _ = await raw_agent(srv)
         await ws.send(b"\x00\x01binary")
         assert await _closed_with(ws) == protocol.CloseCode.UNSUPPORTED_DATA
         # A healthy agent is still served by the same server.
@@ -98,7 +97,7 @@ async def test_silent_clients_are_closed_after_the_hello_timeout(dsn, monkeypatc
 
 async def test_message_flood_is_closed_with_4008(dsn):
     async with running_server(dsn, max_messages_per_second=20) as srv:
-        ws, _ = await _raw_agent(srv)
+        ws, _ = await raw_agent(srv)
         frame = json.dumps({"type": "heartbeat", "ids": []})
         with pytest.raises(ConnectionClosed) as info:
             for _ in range(200):
@@ -113,7 +112,7 @@ async def _connect_when_a_slot_frees(srv, timeout=10):
     with anyio.fail_after(timeout):
         while True:
             try:
-                ws, _ = await _raw_agent(srv, name="three")
+                ws, _ = await raw_agent(srv, name="three")
                 return ws
             except InvalidStatus as exc:
                 assert exc.response.status_code == 429
@@ -122,8 +121,8 @@ async def _connect_when_a_slot_frees(srv, timeout=10):
 
 async def test_connection_limits_per_address_and_in_total(dsn):
     async with running_server(dsn, max_connections_per_ip=2) as srv:
-        a, _ = await _raw_agent(srv, name="one")
-        b, _ = await _raw_agent(srv, name="two")
+        a, _ = await raw_agent(srv, name="one")
+        b, _ = await raw_agent(srv, name="two")
         with pytest.raises(Exception) as info:
             await connect(srv.url, additional_headers=AUTH)
         assert info.value.response.status_code == 429
@@ -132,7 +131,7 @@ async def test_connection_limits_per_address_and_in_total(dsn):
         await b.close()
         await c.close()
     async with running_server(dsn, max_connections=1) as srv:
-        a, _ = await _raw_agent(srv)
+        a, _ = await raw_agent(srv)
         with pytest.raises(Exception) as info:
             await connect(srv.url, additional_headers=AUTH)
         assert info.value.response.status_code == 503
@@ -142,29 +141,29 @@ async def test_connection_limits_per_address_and_in_total(dsn):
 async def test_a_result_postgres_cannot_store_is_refused_and_blocks_nothing(dsn, pool):
     """Found by the fuzzer: U+0000 in a result made every later batch fail."""
     async with running_server(dsn) as srv:
-        ws, _ = await _raw_agent(srv, capacity=2)
+        ws, _ = await raw_agent(srv, capacity=2)
         await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'embed' FROM generate_series(1, 2)")
         jobs = []
         while len(jobs) < 2:
-            jobs += (await _next_of(ws, "jobs"))["jobs"]
+            jobs += (await next_of(ws, "jobs"))["jobs"]
         bad, good = jobs
         await ws.send(json.dumps({"type": "done", "id": bad["id"], "lease_token": bad["lease_token"],
                                   "result": {"text": "nul\u0000here"}}))
-        assert (await _next_of(ws, "error"))["code"] == protocol.ErrorCode.BAD_MESSAGE
+        assert (await next_of(ws, "error"))["code"] == protocol.ErrorCode.BAD_MESSAGE
         await ws.send(json.dumps({"type": "failed", "id": good["id"], "lease_token": good["lease_token"],
                                   "error": "oops\u0000", "retryable": False}))
-        assert (await _next_of(ws, "ack"))["accepted"] == [good["id"]]
+        assert (await next_of(ws, "ack"))["accepted"] == [good["id"]]
         await ws.close()
     assert await pool.fetchval("SELECT last_error FROM gpuq.jobs WHERE id = $1", good["id"]) == "oops\ufffd"
 
 
 async def test_one_results_frame_settles_many_jobs_and_gets_one_ack(dsn, pool):
     async with running_server(dsn) as srv:
-        ws, _ = await _raw_agent(srv, capacity=8)
+        ws, _ = await raw_agent(srv, capacity=8)
         await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'embed' FROM generate_series(1, 8)")
         jobs = []
         while len(jobs) < 8:
-            jobs += (await _next_of(ws, "jobs"))["jobs"]
+            jobs += (await next_of(ws, "jobs"))["jobs"]
         forged = {"type": "done", "id": 10**9, "lease_token": "00000000-0000-0000-0000-000000000000",
                   "result": "forged"}
         outcomes = [{"type": "done", "id": j["id"], "lease_token": j["lease_token"], "result": {"n": j["id"]}}
@@ -172,7 +171,7 @@ async def test_one_results_frame_settles_many_jobs_and_gets_one_ack(dsn, pool):
         outcomes.append({"type": "failed", "id": jobs[7]["id"], "lease_token": jobs[7]["lease_token"],
                          "error": "bad input", "retryable": False})
         await ws.send(json.dumps({"type": "results", "results": [*outcomes, forged]}))
-        ack = await _next_of(ws, "ack")
+        ack = await next_of(ws, "ack")
         assert sorted(ack["accepted"]) == sorted(j["id"] for j in jobs) and ack["rejected"] == [10**9]
         await ws.close()
     rows = dict(await pool.fetch("SELECT id, status::text FROM gpuq.jobs"))
@@ -184,9 +183,9 @@ async def test_a_pushed_job_has_exactly_the_documented_fields(dsn, pool):
     """The pushed job splices PostgreSQL's JSON text of the payload: same fields, same values."""
     payload = {"text": "héllo \"quoted\" \\ ☃", "n": [1, 2.5, None, True], "big": 2**62}
     async with running_server(dsn) as srv:
-        ws, _ = await _raw_agent(srv)
+        ws, _ = await raw_agent(srv)
         jid = await pool.fetchval("INSERT INTO gpuq.jobs (kind, payload) VALUES ('embed', $1) RETURNING id", payload)
-        frame = await _next_of(ws, "jobs")
+        frame = await next_of(ws, "jobs")
         token = await pool.fetchval("SELECT lease_token::text FROM gpuq.jobs WHERE id = $1", jid)
         assert frame == {"type": "jobs", "jobs": [
             {"id": jid, "lease_token": token, "kind": "embed", "payload": payload, "attempt": 1}]}

@@ -1,26 +1,13 @@
 """/healthz, /status and /metrics over real HTTP against a running server."""
 
 import json
-import urllib.error
-import urllib.request
 
 import anyio
 
 from gpuq import dispatcher as dispatcher_module
 from gpuq.db import DatabaseUnavailable
-from tests.harness import running_server
+from tests.harness import http_get, running_server
 from tests.helpers import wait_count
-
-
-async def _get(url):
-    def fetch():
-        try:
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                return resp.status, resp.headers.get("Content-Type"), resp.read().decode()
-        except urllib.error.HTTPError as err:
-            return err.code, err.headers.get("Content-Type"), err.read().decode()
-
-    return await anyio.to_thread.run_sync(fetch)
 
 
 async def test_status_counts_match_the_database(dsn, pool):
@@ -28,7 +15,7 @@ async def test_status_counts_match_the_database(dsn, pool):
         await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'embed' FROM generate_series(1, 7)")
         await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'train' FROM generate_series(1, 2)")
         await srv.agent(["other"], 2, lambda job: None, name="watcher")
-        code, ctype, body = await _get(srv.http + "/status")
+        code, ctype, body = await http_get(srv.http + "/status")
         assert code == 200 and ctype == "application/json"
         status = json.loads(body)
         assert status["live"]["pending"] == {"embed": 7, "train": 2}
@@ -47,7 +34,7 @@ def _metric(text, name, **labels):
 
 async def test_metrics_count_jobs_and_change_after_completions(dsn, pool):
     async with running_server(dsn) as srv:
-        _, ctype, before = await _get(srv.http + "/metrics")
+        _, ctype, before = await http_get(srv.http + "/metrics")
         assert ctype.startswith("text/plain")
         for name in ("gpuq_jobs_leased_total", "gpuq_jobs_completed_total", "gpuq_lease_query_seconds",
                      "gpuq_lease_batch_size", "gpuq_agents_connected", "gpuq_jobs_inflight",
@@ -58,7 +45,7 @@ async def test_metrics_count_jobs_and_change_after_completions(dsn, pool):
         await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'metered' FROM generate_series(1, 30)")
         await wait_count(pool, "done", 30, timeout=10)
         await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'nobody' FROM generate_series(1, 3)")
-        _, _, after = await _get(srv.http + "/metrics")
+        _, _, after = await http_get(srv.http + "/metrics")
         assert _metric(after, "gpuq_jobs_completed_total", kind="metered") == done_before + 30
         assert _metric(after, "gpuq_jobs_leased_total", kind="metered") >= 30
         assert _metric(after, "gpuq_agents_connected") >= 1
@@ -68,7 +55,7 @@ async def test_metrics_count_jobs_and_change_after_completions(dsn, pool):
 async def test_healthz_turns_503_while_the_listen_connection_is_down(dsn, pool, monkeypatch):
     async with running_server(dsn) as srv:
         with anyio.fail_after(5):
-            while (await _get(srv.http + "/healthz"))[0] != 200:
+            while (await http_get(srv.http + "/healthz"))[0] != 200:
                 await anyio.sleep(0.05)
         real_connect = dispatcher_module.db.connect
 
@@ -79,15 +66,15 @@ async def test_healthz_turns_503_while_the_listen_connection_is_down(dsn, pool, 
         monkeypatch.setattr(dispatcher_module.db, "connect", refuse)
         await pool.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query ILIKE 'LISTEN%'")
         with anyio.fail_after(5):
-            while (res := await _get(srv.http + "/healthz"))[0] != 503:
+            while (res := await http_get(srv.http + "/healthz"))[0] != 503:
                 await anyio.sleep(0.05)
         assert json.loads(res[2]) == {"ok": False, "database": True, "listening": False, "draining": False}
         monkeypatch.setattr(dispatcher_module.db, "connect", real_connect)
         with anyio.fail_after(10):
-            while (await _get(srv.http + "/healthz"))[0] != 200:
+            while (await http_get(srv.http + "/healthz"))[0] != 200:
                 await anyio.sleep(0.1)
 
 
 async def test_unknown_paths_are_404(dsn):
     async with running_server(dsn) as srv:
-        assert (await _get(srv.http + "/nope"))[0] == 404
+        assert (await http_get(srv.http + "/nope"))[0] == 404

@@ -4,7 +4,7 @@ import json
 
 import anyio
 
-from tests.harness import running_server
+from tests.harness import http_get, next_of, raw_agent, running_server
 from tests.helpers import sets, wait_count
 
 
@@ -65,8 +65,6 @@ async def test_one_lease_statement_serves_every_agent_of_a_group(dsn, pool):
     """4 idle agents x 64 credits and 256 new jobs: one statement of 256, not four of 64."""
     from gpuq import metrics
     from tests.helpers import wait_for
-    from tests.test_agents import _next_of, _raw_agent
-    from tests.test_http import _get
 
     def bucket(b):
         return metrics.REGISTRY.get_sample_value("gpuq_lease_batch_size_bucket", {"le": b}) or 0.0
@@ -76,9 +74,9 @@ async def test_one_lease_statement_serves_every_agent_of_a_group(dsn, pool):
 
     async with running_server(dsn) as srv:
         assert srv.config.max_batch == 256
-        agents = [(await _raw_agent(srv, capacity=64, name=f"a{i}"))[0] for i in range(4)]
+        agents = [(await raw_agent(srv, capacity=64, name=f"a{i}"))[0] for i in range(4)]
         async def all_connected():
-            return json.loads((await _get(srv.http + "/status"))[2])["agents_connected"] == 4
+            return json.loads((await http_get(srv.http + "/status"))[2])["agents_connected"] == 4
 
         await wait_for(all_connected)
         # A lease pass that began before the last agent registered leases for fewer agents (and
@@ -93,7 +91,7 @@ async def test_one_lease_statement_serves_every_agent_of_a_group(dsn, pool):
         small, total = statements("128.0"), statements("+Inf")
         await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'embed' FROM generate_series(1, 256)")
         for ws in agents:
-            assert len((await _next_of(ws, "jobs"))["jobs"]) == 64
+            assert len((await next_of(ws, "jobs"))["jobs"]) == 64
         assert statements("+Inf") - total >= 1 and statements("128.0") == small  # no lease of <= 128
         for ws in agents:
             await ws.close()

@@ -1,0 +1,62 @@
+"""The README's code examples, run as written against a live server, so they cannot drift."""
+
+import ast
+import re
+from pathlib import Path
+
+import anyio
+
+from tests.harness import running_server
+from tests.helpers import wait_status
+
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+RUN_LINE = "asyncio.run(agent.run_until_signal())"
+
+
+def blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README, re.DOTALL)
+
+
+async def run_python(code: str, namespace: dict) -> None:
+    """Run a snippet with top-level ``await`` in ``namespace``."""
+    compiled = compile(code, "README.md", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    result = eval(compiled, namespace)  # noqa: S307 - our own README
+    if result is not None:
+        await result
+
+
+async def test_the_sql_producer_example_inserts_jobs_the_queue_takes(conn):
+    [sql] = blocks("sql")
+    await conn.execute(sql)
+    rows = await conn.fetch("SELECT kind, status::text, priority, max_attempts FROM gpuq.jobs ORDER BY id")
+    assert [tuple(r) for r in rows] == [("embed", "pending", 0, 5), ("train", "scheduled", 10, 3)]
+
+
+async def test_the_python_producer_example(pool):
+    [producer] = [b for b in blocks("python") if "enqueue_many" in b]
+    namespace = {"dsn_or_pool": pool, "pool": pool}
+    await run_python(producer, namespace)
+    assert isinstance(namespace["job_id"], int) and len(namespace["ids"]) == 1000
+    assert await pool.fetchval("SELECT dedup_key FROM gpuq.jobs WHERE id = $1", namespace["job_id"]) == "doc-42"
+
+
+async def test_the_ten_line_agent_example_runs_jobs(dsn, pool):
+    [agent_code] = [b for b in blocks("python") if "class" not in b and "Agent(" in b]
+    assert agent_code.rstrip().splitlines()[-1].startswith(RUN_LINE)
+    body = agent_code.replace(RUN_LINE, "")
+    async with running_server(dsn, tokens=frozenset({"s3cret"})) as srv:
+        namespace: dict = {}
+        await run_python(body.replace("ws://127.0.0.1:8765/agent", srv.url), namespace)
+        agent = namespace["agent"]
+        srv.agents.append(agent)
+        srv.tg.start_soon(agent.run)
+        good = await pool.fetchval("INSERT INTO gpuq.jobs (kind, payload) VALUES ('embed', "
+                                   "'{\"text\": \"hello\"}') RETURNING id")
+        bad = await pool.fetchval("INSERT INTO gpuq.jobs (kind, payload) VALUES ('embed', '{}') RETURNING id")
+        await wait_status(pool, good, "done")
+        await wait_status(pool, bad, "dead")
+        with anyio.fail_after(5):
+            while agent.completed < 2:
+                await anyio.sleep(0.01)
+    assert await pool.fetchval("SELECT result FROM gpuq.jobs WHERE id = $1", good) == {"vector": [5]}
+    assert "no text" in await pool.fetchval("SELECT last_error FROM gpuq.jobs WHERE id = $1", bad)
