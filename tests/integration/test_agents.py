@@ -7,7 +7,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from gpuq.agent import Agent, AuthError, PermanentError
-from tests.harness import TOKEN, next_of, raw_agent, running_server
+from gpuq.harness import TOKEN, next_of, raw_agent, running_server
 from tests.helpers import status_of, wait_count, wait_status
 
 

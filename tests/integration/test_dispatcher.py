@@ -4,7 +4,7 @@ import json
 
 import anyio
 
-from tests.harness import http_get, next_of, raw_agent, running_server
+from gpuq.harness import http_get, next_of, raw_agent, running_server
 from tests.helpers import sets, wait_count
 
 
@@ -106,7 +106,7 @@ async def test_jobs_leased_for_an_agent_that_left_during_the_lease_go_back_at_on
     """
     from gpuq import queue
     from gpuq.dispatcher import Dispatcher
-    from tests.harness import server_config
+    from gpuq.harness import server_config
     from tests.helpers import add_pending, count, wait_for
 
     async with pool.acquire() as conn:

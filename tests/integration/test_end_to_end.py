@@ -2,7 +2,7 @@
 
 import anyio
 
-from tests.harness import running_server
+from gpuq.harness import running_server
 from tests.helpers import count, wait_count
 
 

@@ -6,7 +6,7 @@ import anyio
 
 from gpuq import dispatcher as dispatcher_module
 from gpuq.db import DatabaseUnavailable
-from tests.harness import http_get, running_server
+from gpuq.harness import http_get, running_server
 from tests.helpers import wait_count
 
 

@@ -131,9 +131,9 @@ async def test_completer_isolates_an_outcome_the_database_refuses(pool):
     import json as _json
 
     from gpuq.dispatcher import AgentSession, Dispatcher
+    from gpuq.harness import server_config
     from gpuq.protocol import Done, Hello, encode
     from gpuq.protocol.server_side import ServerProtocol
-    from tests.harness import server_config
 
     async with pool.acquire() as conn:
         await add_pending(conn, 2)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import anyio
 
-from tests.harness import running_server
+from gpuq.harness import running_server
 from tests.helpers import wait_status
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()

@@ -11,7 +11,7 @@ import pytest
 
 from gpuq.agent import Agent
 from gpuq.devdb import free_port
-from tests.harness import running_server
+from gpuq.harness import running_server
 from tests.helpers import wait_status
 
 

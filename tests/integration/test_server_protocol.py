@@ -8,7 +8,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from gpuq import protocol, server
-from tests.harness import TOKEN, next_of, raw_agent, running_server
+from gpuq.harness import TOKEN, next_of, raw_agent, running_server
 from tests.helpers import sets
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -11,8 +11,8 @@ import pytest
 
 from gpuq.agent import Agent
 from gpuq.config import ConfigError
+from gpuq.harness import TOKEN, server_config
 from gpuq.server import serve, ssl_context
-from tests.harness import TOKEN, server_config
 from tests.helpers import sets
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")

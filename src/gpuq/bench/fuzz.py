@@ -13,75 +13,20 @@ that no job changed except through its lease holder.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import sys
-import threading
+import time
 import uuid
 from typing import Any
 
 import anyio
 
-from gpuq import protocol
-from gpuq.bench.common import add_common_args, reset_gpuq_schema, run_bench
-from gpuq.config import ServerConfig
+from gpuq import db, protocol, queue
+from gpuq.bench.common import Target, declare, queries, reset_gpuq_schema, standalone
+from gpuq.harness import TOKEN, ThreadedServer
 
-TOKEN = "fuzz-token"
 MAX_PAYLOAD = 4096
 SENTINEL = json.dumps({"type": "heartbeat", "ids": [protocol.MAX_JOB_ID]})
-
-
-class ThreadedServer:
-    """``gpuq.server.serve`` on its own event loop in a thread (for sync clients)."""
-
-    def __init__(self, dsn: str, **overrides: Any):
-        self.config = ServerConfig(database_url=dsn, listen=("127.0.0.1", 0), tokens=frozenset({TOKEN}),
-                                   max_payload=MAX_PAYLOAD, lease_seconds=300, heartbeat_seconds=10,
-                                   drain_seconds=2, **overrides)
-        self.port = 0
-        self._ready = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: anyio.Event | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, daemon=True)
-
-    def __enter__(self) -> ThreadedServer:
-        self._thread.start()
-        if not self._ready.wait(30) or not self.port:
-            raise RuntimeError(f"fuzz server did not start: {self._error!r}")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(30)
-
-    @property
-    def url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/agent"
-
-    def alive(self) -> bool:
-        return self._thread.is_alive() and self._error is None
-
-    def _main(self) -> None:
-        from gpuq.server import serve
-
-        async def run() -> None:
-            self._loop = asyncio.get_running_loop()
-            self._stop = anyio.Event()
-
-            def ready(port: int) -> None:
-                self.port = port
-                self._ready.set()
-
-            await serve(self.config, stop=self._stop, on_ready=ready)
-
-        try:
-            anyio.run(run)
-        except BaseException as exc:  # noqa: BLE001 - reported by alive() and __enter__
-            self._error = exc
-        finally:
-            self._ready.set()
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def strategies(stale_tokens: list[str], stale_ids: list[int]) -> Any:
@@ -142,8 +87,7 @@ class Client:
     def _open(self) -> Any:
         from websockets.sync.client import connect
 
-        ws = connect(self.url, additional_headers={"Authorization": f"Bearer {TOKEN}"}, open_timeout=10,
-                     legacy=True)
+        ws = connect(self.url, additional_headers=AUTH, open_timeout=10, legacy=True)
         ws.send(json.dumps({"type": "hello", "agent": "fuzzer", "kinds": ["fuzz-nothing"], "capacity": 1,
                             "protocol": 1}))
         assert json.loads(ws.recv(timeout=10))["type"] == "welcome"
@@ -187,34 +131,24 @@ _CLOSE_CODES = {code.value for code in protocol.CloseCode}
 async def prepare(dsn: str) -> dict[str, Any]:
     """Jobs the fuzzer must not be able to touch: pending, leased to a victim, and finished ones
     whose (now stale) tokens the fuzzer replays."""
-    from gpuq import db, queue
-
     conn = await db.connect(dsn)
     try:
-        await conn.execute("INSERT INTO gpuq.jobs (kind) SELECT 'victim' FROM generate_series(1, 30)")
+        await conn.execute(queries["fuzz_victims"])
         finished = (await queue.lease(conn, ["victim"], 10, "gone#00000000", 300)).jobs
         await queue.complete_many(conn, [(j.id, j.lease_token, {"by": "owner"}) for j in finished])
         held = (await queue.lease(conn, ["victim"], 10, "victim#00000000", 300)).jobs
-        snapshot = await _snapshot(conn)
+        snapshot = [tuple(r) for r in await conn.fetch(queries["fuzz_snapshot"])]
     finally:
         await conn.close()
-    return {"stale_tokens": [j.lease_token for j in finished + held[:0]] + [str(uuid.uuid4())],
+    return {"stale_tokens": [j.lease_token for j in finished] + [str(uuid.uuid4())],
             "stale_ids": [j.id for j in finished + held] + [1, 2**62], "snapshot": snapshot}
 
 
-async def _snapshot(conn: Any) -> list[tuple[Any, ...]]:
-    rows = await conn.fetch("SELECT id, status::text, attempts, lease_token, leased_by, result::text, "
-                            "last_error, lease_expires_at FROM gpuq.jobs ORDER BY id")
-    return [tuple(r) for r in rows]
-
-
-async def unchanged(dsn: str, before: list[tuple[Any, ...]]) -> list[Any]:
+async def changed(dsn: str, before: list[tuple[Any, ...]]) -> list[Any]:
     """Rows that differ from the snapshot (must be none)."""
-    from gpuq import db
-
     conn = await db.connect(dsn)
     try:
-        after = await _snapshot(conn)
+        after = [tuple(r) for r in await conn.fetch(queries["fuzz_snapshot"])]
     finally:
         await conn.close()
     return [(a, b) for a, b in zip(before, after, strict=False) if a != b] + (
@@ -228,7 +162,8 @@ def run_fuzz(dsn: str, examples: int, seed: int | None = None) -> dict[str, Any]
 
     state = anyio.run(prepare, dsn)
     figures: dict[str, Any] = {"examples": 0}
-    with ThreadedServer(dsn) as server:
+    with ThreadedServer(dsn, max_payload=MAX_PAYLOAD, lease_seconds=300, heartbeat_seconds=10,
+                        drain_seconds=2) as server:
         client = Client(server.url)
 
         @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
@@ -245,9 +180,8 @@ def run_fuzz(dsn: str, examples: int, seed: int | None = None) -> dict[str, Any]
         client.close()
         figures["closes"] = {str(k): v for k, v in sorted(client.closes.items())}
         figures["healthy_agent_served"] = _healthy_agent_is_served(server, dsn)
-    changed = anyio.run(unchanged, dsn, state["snapshot"])
-    if changed:
-        raise AssertionError(f"jobs changed by the fuzzer: {changed[:5]}")
+    if bad := anyio.run(changed, dsn, state["snapshot"]):
+        raise AssertionError(f"jobs changed by the fuzzer: {bad[:5]}")
     figures["jobs_changed"] = 0
     return figures
 
@@ -255,75 +189,46 @@ def run_fuzz(dsn: str, examples: int, seed: int | None = None) -> dict[str, Any]
 def _healthy_agent_is_served(server: ThreadedServer, dsn: str) -> bool:
     from websockets.sync.client import connect
 
-    async def insert() -> int:
-        from gpuq import db
-
+    async def sql(name: str, *args: Any) -> Any:
         conn = await db.connect(dsn)
         try:
-            return int(await conn.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('healthy') RETURNING id"))
+            return await conn.fetchval(queries[name], *args)
         finally:
             await conn.close()
 
-    with connect(server.url, additional_headers={"Authorization": f"Bearer {TOKEN}"}) as ws:
+    with connect(server.url, additional_headers=AUTH) as ws:
         ws.send(json.dumps({"type": "hello", "agent": "healthy", "kinds": ["healthy"], "capacity": 1,
                             "protocol": 1}))
         ws.recv(timeout=10)
-        jid = anyio.run(insert)
-        msg = json.loads(ws.recv(timeout=10))
-        job = msg["jobs"][0]
+        jid = anyio.run(sql, "fuzz_insert_one")
+        job = json.loads(ws.recv(timeout=10))["jobs"][0]
         ws.send(json.dumps({"type": "done", "id": job["id"], "lease_token": job["lease_token"], "result": 1}))
         ack = json.loads(ws.recv(timeout=10))
-    anyio.run(_delete, dsn, jid)  # keep the snapshot comparison exact
+    anyio.run(sql, "fuzz_delete", jid)  # keep the snapshot comparison exact
     return bool(job["id"] == jid and ack["accepted"] == [jid])
-
-
-async def _delete(dsn: str, jid: int) -> None:
-    from gpuq import db
-
-    conn = await db.connect(dsn)
-    try:
-        await conn.execute("DELETE FROM gpuq.jobs WHERE id = $1", jid)
-    finally:
-        await conn.close()
 
 
 # -- gpuq bench fuzz --------------------------------------------------------
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--examples", type=int, default=20_000, help="frames to send (default 20000)")
-    p.add_argument("--seed", type=int, help="hypothesis seed (default: derandomized)")
-    add_common_args(p)
-
-
 def register(sub: Any) -> None:
-    p = sub.add_parser("fuzz", help="protocol fuzzing against a live server (hypothesis)")
-    add_arguments(p)
-    p.set_defaults(bench=bench)
+    def args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--examples", type=int, default=20_000, help="frames to send (default 20000)")
+        p.add_argument("--seed", type=int, help="hypothesis seed (default: derandomized)")
 
-
-def bench(args: argparse.Namespace) -> int:
-    async def body(dsn: str) -> dict[str, Any]:
-        import time
-
-        await reset_gpuq_schema(dsn)
+    async def body(t: Target, a: argparse.Namespace) -> dict[str, Any]:
+        await reset_gpuq_schema(t.dsn)
         t0 = time.monotonic()
         # run_fuzz drives sync websocket clients and its own server thread.
-        figures = await anyio.to_thread.run_sync(run_fuzz, dsn, args.examples, args.seed)
+        figures = await anyio.to_thread.run_sync(run_fuzz, t.dsn, a.examples, a.seed)
         return {"bench": "fuzz", **figures, "seconds": round(time.monotonic() - t0, 1)}
 
-    def summary(figures: dict[str, Any]) -> None:
+    def report(figures: dict[str, Any]) -> None:
         print(f"fuzzed {figures['examples']} frames in {figures['seconds']} s: server stayed up, "
-              f"closes by code {figures['closes']}, jobs changed: 0", file=sys.stderr)
+              f"closes by code {figures['closes']}, jobs changed: 0")
 
-    return run_bench(args, body, after=summary)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="gpuq bench fuzz")
-    add_arguments(p)
-    return bench(p.parse_args(argv))
+    declare(sub, "fuzz", "protocol fuzzing against a live server (hypothesis)", __doc__, args, body, report)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(standalone("fuzz"))

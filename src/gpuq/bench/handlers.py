@@ -1,16 +1,19 @@
-"""Agent handlers for the benches (``--handler gpuq.bench.handlers:NAME``)."""
+"""Agent handlers of the benches (``--handler gpuq.bench.handlers:NAME``); no-op is ``gpuq.demo:noop``."""
 
 from __future__ import annotations
 
+import os
+import random
+import tempfile
 import time
 from typing import Any
 
+import anyio
+
 from gpuq.agent import Job
 
-
-async def noop(job: Job) -> None:
-    """Does nothing: throughput of the queue itself."""
-    return None
+EXEC_DIR_ENV = "GPUQ_CHAOS_DIR"  # where record() writes, one file per agent process
+WORK_MS_ENV = "GPUQ_CHAOS_WORK_MS"  # mean simulated work per job of record()
 
 
 async def latency(job: Job) -> dict[str, Any]:
@@ -18,3 +21,27 @@ async def latency(job: Job) -> dict[str, Any]:
     start = time.time()
     sent = job.payload.get("t") if isinstance(job.payload, dict) else None
     return {"lat_ms": (start - float(sent)) * 1000 if sent is not None else None}
+
+
+async def work(job: Job) -> dict[str, Any]:
+    """Soak: a couple of milliseconds of 'GPU time'."""
+    await anyio.sleep(0.002)
+    return {"id": job.id}
+
+
+_exec_fd: int | None = None
+
+
+async def record(job: Job) -> dict[str, Any]:
+    """Chaos: log this execution (one O_APPEND write survives a SIGKILL), work a little,
+    return the lease token it ran with."""
+    global _exec_fd
+    if _exec_fd is None:
+        directory = os.environ.get(EXEC_DIR_ENV) or tempfile.gettempdir()
+        _exec_fd = os.open(os.path.join(directory, f"exec-{os.getpid()}.log"),
+                           os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(_exec_fd, f"{job.id} {job.lease_token} {os.getpid()}\n".encode())
+    work_s = float(os.environ.get(WORK_MS_ENV, "0") or 0) / 1000.0
+    if work_s > 0:
+        await anyio.sleep(random.uniform(0, 2 * work_s))
+    return {"token": job.lease_token}

@@ -14,65 +14,49 @@ consumer (``peer_pgqueuer.latency``) on the same database.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import time
 from typing import Any
 
+import anyio
+
 from gpuq import queue
-from gpuq.bench import peer_pgqueuer, procs
+from gpuq.bench import peer_pgqueuer
 from gpuq.bench.common import (
-    add_common_args,
+    Target,
+    declare,
+    fleet_on,
+    positive_float,
     positive_int,
     print_settings,
     print_table,
     progress,
-    reset_gpuq_schema,
-    run_bench,
-    server_settings,
+    queries,
+    standalone,
+    wait_until,
 )
-from gpuq.db import connect
+from gpuq.bench.measure import percentiles
+from gpuq.harness import KIND, Fleet
 from gpuq.queue import NewJob
 
-_LATENCIES = """
-SELECT (result->>'lat_ms')::float8 AS ms FROM gpuq.jobs
-WHERE status = 'done' AND NOT coalesce((payload->>'warmup')::bool, false)
-"""
-_DONE = "SELECT count(*) FROM gpuq.jobs WHERE status = 'done'"
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, not {v}")
-    return v
+STATS = ("p50_ms", "p90_ms", "p99_ms", "max_ms")
 
 
 def register(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser(
-        "latency", help="insert -> handler start latency (p50/p90/p99/max ms) with idle agents",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    p.add_argument("--rate", type=_positive_float, default=100.0, help="jobs per second (default 100)")
-    p.add_argument("--seconds", type=_positive_float, default=20.0, help="duration (default 20)")
-    p.add_argument("--agents", type=positive_int, default=2, help="agent processes (default 2)")
-    p.add_argument("--capacity", type=positive_int, default=4, help="capacity of each agent (default 4)")
-    p.add_argument("--compare", choices=["pgqueuer"], default=None,
-                   help="also run this peer on the same database and schedule")
-    p.add_argument("--pgq-batch", type=positive_int, default=10,
-                   help="pgqueuer dequeue batch_size (default 10, its default)")
-    add_common_args(p)
-    p.set_defaults(bench=main)
+    def args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--rate", type=positive_float, default=100.0, help="jobs per second (default 100)")
+        p.add_argument("--seconds", type=positive_float, default=20.0, help="duration (default 20)")
+        p.add_argument("--agents", type=positive_int, default=2, help="agent processes (default 2)")
+        p.add_argument("--capacity", type=positive_int, default=4, help="capacity of each agent (default 4)")
+        p.add_argument("--compare", choices=["pgqueuer"], default=None,
+                       help="also run this peer on the same database and schedule")
+        p.add_argument("--pgq-batch", type=positive_int, default=10,
+                       help="pgqueuer dequeue batch_size (default 10, its default)")
 
+    async def body(t: Target, a: argparse.Namespace) -> dict[str, Any]:
+        return await run(t.dsn, a.rate, a.seconds, a.agents, a.capacity, a.compare, a.pgq_batch)
 
-def main(args: argparse.Namespace) -> int:
-    async def body(dsn: str) -> dict[str, Any]:
-        return await run(dsn, args.rate, args.seconds, args.agents, args.capacity, args.compare,
-                         args.pgq_batch)
-
-    return run_bench(args, body)
+    declare(sub, "latency", "insert -> handler start latency (p50/p90/p99/max ms) with idle agents",
+            __doc__, args, body, report)
 
 
 async def run(dsn: str, rate: float, seconds: float, agents: int = 2, capacity: int = 4,
@@ -85,65 +69,53 @@ async def run(dsn: str, rate: float, seconds: float, agents: int = 2, capacity: 
     if compare == "pgqueuer":
         progress(f"pgqueuer {peer_pgqueuer.version()}: {n} jobs at {rate}/s, batch {pgq_batch}")
         peer = await peer_pgqueuer.latency(dsn, rate, seconds, batch_size=pgq_batch)
-        result.update({f"pgqueuer_{k}": peer[k] for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms")})
+        result.update({f"pgqueuer_{k}": peer[k] for k in STATS})
         result["pgqueuer_version"] = peer_pgqueuer.version()
         result["pgqueuer_batch_size"] = pgq_batch
     result["postgres"] = settings
-    _report(result)
     return result
 
 
 async def run_gpuq(dsn: str, rate: float, n: int, agents: int,
                    capacity: int) -> tuple[dict[str, float], dict[str, str]]:
-    await reset_gpuq_schema(dsn)
-    fleet = procs.Fleet(dsn)
-    conn = await connect(dsn)
-    try:
-        settings = await server_settings(conn)
+    async with fleet_on(dsn) as (fleet, conn, settings):
         progress(f"starting gpuq serve on 127.0.0.1:{fleet.port} and {agents} idle agents "
                  f"(capacity {capacity}); logs in {fleet.logdir}")
-        await asyncio.to_thread(fleet.start_serve)
-        await asyncio.to_thread(fleet.start_agents, agents, capacity, "gpuq.bench.handlers:latency")
+        await anyio.to_thread.run_sync(fleet.start_serve)
+        await anyio.to_thread.run_sync(fleet.start_agents, agents, capacity, "gpuq.bench.handlers:latency")
         # Warm-up: every connection and code path used once before the clock counts.
-        await queue.enqueue_many(conn, [NewJob(procs.KIND, {"t": time.time(), "warmup": True})])
-        await _wait_done(conn, fleet, 1, 30)
-        await asyncio.sleep(0.2)
+        await queue.enqueue_many(conn, [NewJob(KIND, {"t": time.time(), "warmup": True})])
+        await _done(conn, fleet, 1, 30)
+        await anyio.sleep(0.2)
         progress(f"inserting {n} jobs one per statement at {rate}/s")
         t0 = time.perf_counter()
         for i in range(n):
-            delay = t0 + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            await queue.enqueue_many(conn, [NewJob(procs.KIND, {"t": time.time()})])
-        await _wait_done(conn, fleet, n + 1, 60)
-        lat = [float(r["ms"]) for r in await conn.fetch(_LATENCIES)]
-    finally:
-        await conn.close()
-        await asyncio.to_thread(fleet.stop)
+            await anyio.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
+            await queue.enqueue_many(conn, [NewJob(KIND, {"t": time.time()})])
+        await _done(conn, fleet, n + 1, 60)
+        lat = [float(r["ms"]) for r in await conn.fetch(queries["latencies"])]
     if len(lat) != n:
         raise RuntimeError(f"gpuq: {len(lat)} latencies recorded, expected {n}")
-    return peer_pgqueuer.percentiles(lat), settings
+    return percentiles(lat), settings
 
 
-async def _wait_done(conn: Any, fleet: procs.Fleet, n: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while await conn.fetchval(_DONE) < n:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {n} jobs done; serve log:\n"
-                               f"{fleet.serve.tail() if fleet.serve else ''}")
-        if not fleet.serve or not fleet.serve.alive():
-            raise RuntimeError(f"serve died:\n{fleet.serve.tail() if fleet.serve else ''}")
-        await asyncio.sleep(0.05)
+async def _done(conn: Any, fleet: Fleet, n: int, timeout: float) -> None:
+    async def reached() -> bool:
+        return bool(await conn.fetchval(queries["count_done"]) >= n)
+
+    await wait_until(reached, fleet, timeout, f"{n} jobs done")
 
 
-def _report(r: dict[str, Any]) -> None:
+def report(r: dict[str, Any]) -> None:
     print_settings(r["postgres"])
-    rows = [[f"gpuq ({r['agents']} agents x {r['capacity']})", r["gpuq_p50_ms"], r["gpuq_p90_ms"],
-             r["gpuq_p99_ms"], r["gpuq_max_ms"]]]
+    rows = [[f"gpuq ({r['agents']} agents x {r['capacity']})", *(r[f"gpuq_{k}"] for k in STATS)]]
     if "pgqueuer_p50_ms" in r:
         rows.append([f"pgqueuer {r['pgqueuer_version']} (batch {r['pgqueuer_batch_size']})",
-                     r["pgqueuer_p50_ms"], r["pgqueuer_p90_ms"], r["pgqueuer_p99_ms"],
-                     r["pgqueuer_max_ms"]])
+                     *(r[f"pgqueuer_{k}"] for k in STATS)])
     print_table(["system", "p50 ms", "p90 ms", "p99 ms", "max ms"], rows,
                 title=f"latency insert -> handler start: {r['jobs']} jobs at {r['rate']}/s, "
                       "one per INSERT, idle consumers")
+
+
+if __name__ == "__main__":
+    raise SystemExit(standalone("latency"))

@@ -29,23 +29,24 @@ touched.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 from gpuq import plans, queue
 from gpuq.bench.common import (
-    add_common_args,
+    Target,
+    declare,
     median,
     parse_int_list,
     positive_int,
     print_settings,
     print_table,
     progress,
+    queries,
     reset_gpuq_schema,
-    run_bench,
     server_settings,
+    standalone,
 )
 from gpuq.db import connect
 
@@ -53,109 +54,31 @@ KIND = "train"
 PENDING = 1_000
 CHUNK = 500_000  # done rows per INSERT statement (progress granularity)
 LEASE_SECONDS = 30.0
-
-# Finished rows as the queue leaves them: a result, lease fields, timestamps.
-# (md5 stands in for the lease token: a uuid of the same width, far cheaper
-# to make than gen_random_uuid() five million times.)
-_INSERT_DONE = """
-INSERT INTO gpuq.jobs (kind, payload, status, attempts, started_at, finished_at,
-                       leased_by, lease_token, result)
-SELECT 'train', jsonb_build_object('i', g), 'done', 1, now(), now(),
-       'bench#1', md5(g::text)::uuid, '{"ok": true}'::jsonb
-FROM generate_series($1::bigint, $2::bigint) AS g
-"""
-_INSERT_PENDING = """
-INSERT INTO gpuq.jobs (kind, payload)
-SELECT 'train', jsonb_build_object('i', g) FROM generate_series(1, $1::int) AS g
-"""
-# A bulk load of history need not NOTIFY (nor build a transition table of
-# millions of rows): the trigger is off during it, on again for the pending rows.
-_TRIGGER_OFF = "ALTER TABLE gpuq.jobs DISABLE TRIGGER jobs_notify_inserted"
-_TRIGGER_ON = "ALTER TABLE gpuq.jobs ENABLE TRIGGER jobs_notify_inserted"
-
-# The naive design, same rows in the same physical order (a fresh table
-# scans in insertion order, which is id order). CREATE TABLE AS is the fast
-# bulk path; the key, the one status index and the CHECK constraints follow.
-# The CHECKs apply to every new row version (so the naive UPDATE pays for them
-# like gpuq's does) but are added NOT VALID: the rows are gpuq's, already
-# checked, and validating jobs_kind_format's regex costs ~5 us a row.
-_NAIVE_DROP = "DROP SCHEMA IF EXISTS gpuq_naive CASCADE"
-_NAIVE_CREATE = """
-CREATE SCHEMA gpuq_naive;
-CREATE TABLE gpuq_naive.jobs AS SELECT * FROM gpuq.jobs;
-ALTER TABLE gpuq_naive.jobs ADD PRIMARY KEY (id);
-CREATE INDEX jobs_status_idx ON gpuq_naive.jobs (status);
-DO $$
-DECLARE c record;
-BEGIN
-    FOR c IN SELECT conname, pg_get_constraintdef(oid) AS def FROM pg_constraint
-             WHERE conrelid = 'gpuq.jobs'::regclass AND contype = 'c'
-    LOOP
-        EXECUTE format('ALTER TABLE gpuq_naive.jobs ADD CONSTRAINT %I %s NOT VALID', c.conname, c.def);
-    END LOOP;
-END
-$$;
-"""
-_VACUUM_GPUQ = "VACUUM (ANALYZE) gpuq.jobs"
-_VACUUM_NAIVE = "VACUUM (ANALYZE) gpuq_naive.jobs"
-
-_NAIVE_LEASE = """
-WITH picked AS (
-    SELECT id FROM gpuq_naive.jobs
-    WHERE status = 'pending'
-    ORDER BY id
-    LIMIT $1
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE gpuq_naive.jobs j
-SET status = 'leased', attempts = j.attempts + 1, lease_token = gen_random_uuid(),
-    leased_by = $2, lease_expires_at = now() + make_interval(secs => $3), started_at = now()
-FROM picked
-WHERE j.id = picked.id
-RETURNING j.id, j.kind, j.payload, j.attempts, j.max_attempts, j.lease_token, j.priority
-"""
-_NAIVE_EXPLAIN = "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + _NAIVE_LEASE
-# The naive plan: no sort possible, so ORDER BY id walks the primary key.
-_PIN_PK_WALK = "SET LOCAL enable_sort = off"
-# The naive design ran with PostgreSQL's default planner, not gpuq's PLAN_SETTINGS.
-_PLANNER_DEFAULTS = ("SET LOCAL enable_bitmapscan = on; SET LOCAL enable_seqscan = on; "
-                     "SET LOCAL plan_cache_mode = auto")
-
 GPUQ, NAIVE, NAIVE_PLANNER = "gpuq", "naive", "naive_planner"
 
 
 def register(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser(
-        "lease-history",
-        help="lease cost (ms, shared buffers) vs done-history size: gpuq vs the naive query",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    p.add_argument("--done", type=parse_int_list, default=[0, 1_000_000, 5_000_000],
-                   help="comma-separated history sizes (done rows), default 0,1000000,5000000")
-    p.add_argument("--batch", type=positive_int, default=32, help="jobs per lease (default 32)")
-    p.add_argument("--repeat", type=positive_int, default=50,
-                   help="timed leases per size and query (default 50); the median is reported")
-    p.add_argument("--budget", type=float, default=10.0,
-                   help="seconds of timed runs per query and size before stopping early "
-                        "(after at least 5 runs; default 10)")
-    p.add_argument("--plot", default=None, metavar="PATH", help="also write a PNG plot here")
-    add_common_args(p)
-    p.set_defaults(bench=main)
+    def args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--done", type=parse_int_list, default=[0, 1_000_000, 5_000_000],
+                       help="comma-separated history sizes (done rows), default 0,1000000,5000000")
+        p.add_argument("--batch", type=positive_int, default=32, help="jobs per lease (default 32)")
+        p.add_argument("--repeat", type=positive_int, default=50,
+                       help="timed leases per size and query (default 50); the median is reported")
+        p.add_argument("--budget", type=float, default=10.0,
+                       help="seconds of timed runs per query and size before stopping early "
+                            "(after at least 5 runs; default 10)")
+        p.add_argument("--plot", default=None, metavar="PATH", help="also write a PNG plot here")
 
+    async def body(t: Target, a: argparse.Namespace) -> dict[str, Any]:
+        result = await run(t.dsn, a.done, a.batch, a.repeat, a.budget)
+        if a.plot:
+            Path(a.plot).parent.mkdir(parents=True, exist_ok=True)
+            plot(result, a.plot)
+            progress(f"plot written to {a.plot}")
+        return result
 
-def main(args: argparse.Namespace) -> int:
-    async def body(dsn: str) -> dict[str, Any]:
-        return await run(dsn, args.done, args.batch, args.repeat, args.budget)
-
-    rc = run_bench(args, body, after=lambda result: _maybe_plot(args.plot, result))
-    return rc
-
-
-def _maybe_plot(path: str | None, result: dict[str, Any]) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        plot(result, path)
-        progress(f"plot written to {path}")
+    declare(sub, "lease-history", "lease cost (ms, shared buffers) vs done-history size: gpuq vs the naive query",
+            __doc__, args, body, report)
 
 
 async def run(dsn: str, done_sizes: list[int], batch: int, repeat: int,
@@ -180,7 +103,7 @@ async def run(dsn: str, done_sizes: list[int], batch: int, repeat: int,
                     row["gpuq_pick_buffers"] = plans.plan_buffers(plan, reads_only=True)
             row["build_s"] = round(build_s, 1)
             rows.append(row)
-            await conn.execute(_NAIVE_DROP)
+            await conn.execute(queries["naive_drop"])
         finally:
             await conn.close()
 
@@ -197,27 +120,26 @@ async def run(dsn: str, done_sizes: list[int], batch: int, repeat: int,
                                              base["naive_planner_buffers"]),
         "postgres": settings,
     }
-    _report(result)
     return result
 
 
 async def _build(conn: Any, done: int) -> float:
     t0 = time.perf_counter()
-    await conn.execute(_TRIGGER_OFF)
+    await conn.execute(queries["trigger_off"])
     try:
         for lo in range(1, done + 1, CHUNK):
             hi = min(done, lo + CHUNK - 1)
-            await conn.execute(_INSERT_DONE, lo, hi)
+            await conn.execute(queries["insert_done"], lo, hi)
             progress(f"done={done:,}: inserted {hi:,} done rows ({time.perf_counter() - t0:.1f}s)")
     finally:
-        await conn.execute(_TRIGGER_ON)
-    await conn.execute(_INSERT_PENDING, PENDING)
+        await conn.execute(queries["trigger_on"])
+    await conn.execute(queries["insert_pending"], KIND, PENDING)
     progress(f"done={done:,}: copying into gpuq_naive.jobs")
-    await conn.execute(_NAIVE_DROP)
-    await conn.execute(_NAIVE_CREATE)
+    await conn.execute(queries["naive_drop"])
+    await conn.execute(queries["naive_create"])
     progress(f"done={done:,}: VACUUM ANALYZE")
-    await conn.execute(_VACUUM_GPUQ)
-    await conn.execute(_VACUUM_NAIVE)
+    await conn.execute(queries["vacuum_jobs"])
+    await conn.execute(queries["vacuum_naive"])
     elapsed = time.perf_counter() - t0
     progress(f"done={done:,}: tables ready in {elapsed:.1f}s")
     return elapsed
@@ -230,7 +152,7 @@ async def _measure(conn: Any, batch: int, repeat: int, budget: float,
 
     async def lease_once() -> int:
         if naive:
-            rows = await conn.fetch(_NAIVE_LEASE, batch, "bench#naive", LEASE_SECONDS)
+            rows = await conn.fetch(queries["naive_lease"], batch, "bench#naive", LEASE_SECONDS)
             return len(rows)
         return len((await queue.lease(conn, [KIND], batch, "bench#gpuq", LEASE_SECONDS)).jobs)
 
@@ -239,9 +161,9 @@ async def _measure(conn: Any, batch: int, repeat: int, budget: float,
         await tx.start()
         try:
             if naive:
-                await conn.execute(_PLANNER_DEFAULTS)
+                await conn.execute(queries["planner_defaults"])
             if variant == NAIVE:
-                await conn.execute(_PIN_PK_WALK)
+                await conn.execute(queries["pin_pk_walk"])
             t0 = time.perf_counter()
             out = await fn()
             return out, (time.perf_counter() - t0) * 1000
@@ -253,8 +175,9 @@ async def _measure(conn: Any, batch: int, repeat: int, budget: float,
         if got != min(batch, PENDING):
             raise RuntimeError(f"{variant} lease returned {got} rows, "
                                f"expected {min(batch, PENDING)}")
-    if naive:
-        plan, _ms = await rolled_back(lambda: _explain_naive(conn, batch))
+    if naive:  # plans.explain in the transaction that holds the planner settings
+        plan, _ms = await rolled_back(lambda: plans.explain(conn, queries["naive_lease"], batch, "explain",
+                                                            LEASE_SECONDS))
     else:  # its own rolled-back transaction
         plan = await plans.explain_lease(conn, [KIND], batch)
     times: list[float] = []
@@ -263,16 +186,11 @@ async def _measure(conn: Any, batch: int, repeat: int, budget: float,
     return plan, times
 
 
-async def _explain_naive(conn: Any, batch: int) -> dict[str, Any]:
-    raw = await conn.fetchval(_NAIVE_EXPLAIN, batch, "explain", LEASE_SECONDS)
-    return dict((json.loads(raw) if isinstance(raw, str) else raw)[0])
-
-
 def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b else None
 
 
-def _report(result: dict[str, Any]) -> None:
+def report(result: dict[str, Any]) -> None:
     print_settings(result["postgres"])
     print(f"lease-history: lease {result['batch']} of {result['pending']:,} pending rows behind "
           f"N done rows; ms = median of up to {result['repeat']} rolled-back runs; buffers = "
@@ -323,3 +241,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(standalone("lease-history"))

@@ -35,6 +35,9 @@ from typing import Any
 
 import asyncpg
 
+from gpuq.bench.common import queries
+from gpuq.bench.measure import CpuMeter, percentiles
+
 ENTRYPOINT = "noop"
 ENQUEUE_CHUNK = 10_000
 WARMUP = b"warmup"
@@ -73,43 +76,6 @@ async def install(dsn: str) -> None:
         await conn.close()
 
 
-async def enqueue_bulk(dsn: str, n: int, chunk: int = ENQUEUE_CHUNK) -> float:
-    """Insert n jobs for the no-op entrypoint; return the seconds it took."""
-    _require()
-    from pgqueuer.db import AsyncpgDriver
-    from pgqueuer.queries import Queries
-
-    conn = await asyncpg.connect(dsn)
-    try:
-        q = Queries(AsyncpgDriver(conn))
-        t0 = time.perf_counter()
-        for lo in range(0, n, chunk):
-            k = min(chunk, n - lo)
-            await q.enqueue([ENTRYPOINT] * k, [None] * k, [0] * k)
-        return time.perf_counter() - t0
-    finally:
-        await conn.close()
-
-
-async def queued(dsn: str) -> int:
-    """Jobs still in pgqueuer's queue table (any status)."""
-    _require()
-    from pgqueuer.db import AsyncpgDriver
-    from pgqueuer.queries import Queries
-
-    conn = await asyncpg.connect(dsn)
-    try:
-        stats = await Queries(AsyncpgDriver(conn)).queue_size()
-        return sum(s.count for s in stats)
-    finally:
-        await conn.close()
-
-
-# --------------------------------------------------------------------------
-# Throughput: drain a pre-filled queue
-# --------------------------------------------------------------------------
-
-
 def _run_loop(coro: Any, use_uvloop: bool) -> Any:
     if use_uvloop:
         with contextlib.suppress(ImportError):
@@ -117,91 +83,6 @@ def _run_loop(coro: Any, use_uvloop: bool) -> Any:
 
             return uvloop.run(coro)
     return asyncio.run(coro)
-
-
-async def _drain(dsn: str, workers: int, batch_size: int, ready: Any, go: Any) -> int:
-    from pgqueuer import QueueManager
-    from pgqueuer.db import AsyncpgDriver
-    from pgqueuer.domain.types import QueueExecutionMode
-    from pgqueuer.models import Job
-    from pgqueuer.queries import Queries
-
-    handled = 0
-    qms = []
-    for _ in range(workers):
-        conn = await asyncpg.connect(dsn)
-        qm = QueueManager(Queries(AsyncpgDriver(conn)))
-
-        @qm.entrypoint(ENTRYPOINT)
-        async def noop(job: Job) -> None:
-            nonlocal handled
-            handled += 1
-
-        qms.append((qm, conn))
-    ready.set()
-    await asyncio.get_running_loop().run_in_executor(None, go.wait)
-    try:
-        await asyncio.gather(*(qm.run(batch_size=batch_size, mode=QueueExecutionMode.drain)
-                               for qm, _ in qms))
-    finally:
-        for _, conn in qms:
-            await conn.close()
-    return handled
-
-
-def _drain_process(dsn: str, workers: int, batch_size: int, use_uvloop: bool,
-                   ready: Any, go: Any, out: Any) -> None:
-    _quiet_pgqueuer_logs()
-    out.put(_run_loop(_drain(dsn, workers, batch_size, ready, go), use_uvloop))
-
-
-def consume(dsn: str, n: int, *, batch_size: int = DEFAULT_BATCH, workers: int = DEFAULT_WORKERS,
-            processes: int = 1, use_uvloop: bool = True, timeout: float = 600.0) -> tuple[float, float]:
-    """Drain n queued jobs with ``processes`` x ``workers`` QueueManagers; (seconds, jobs/s).
-
-    The clock starts once every process has connected, and stops when the
-    last one has drained the queue and flushed its completion log.
-    """
-    _require()
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    go = ctx.Event()
-    readies = [ctx.Event() for _ in range(processes)]
-    procs = [ctx.Process(target=_drain_process,
-                         args=(dsn, workers, batch_size, use_uvloop, r, go, out), daemon=True)
-             for r in readies]
-    for p in procs:
-        p.start()
-    try:
-        for r in readies:
-            if not r.wait(60):
-                raise RuntimeError("pgqueuer consumer process did not start")
-        t0 = time.perf_counter()
-        go.set()
-        handled = sum(out.get(timeout=timeout) for _ in procs)
-        elapsed = time.perf_counter() - t0
-        for p in procs:
-            p.join(30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-    if handled != n:
-        raise RuntimeError(f"pgqueuer handled {handled} jobs, expected {n}")
-    return elapsed, n / elapsed
-
-
-async def throughput(dsn: str, n: int, **kwargs: Any) -> dict[str, Any]:
-    """Install, bulk-enqueue n jobs, drain them; figures as a dict."""
-    await install(dsn)
-    insert_s = await enqueue_bulk(dsn, n)
-    elapsed, rate = await asyncio.to_thread(consume, dsn, n, **kwargs)
-    left = await queued(dsn)
-    if left:
-        raise RuntimeError(f"pgqueuer left {left} jobs in its queue")
-    return {"jobs": n, "insert_s": round(insert_s, 3), "consume_s": round(elapsed, 3),
-            "end_to_end_s": round(insert_s + elapsed, 3),
-            "jobs_per_s": round(rate, 1), "end_to_end_jobs_per_s": round(n / (insert_s + elapsed), 1)}
 
 
 # --------------------------------------------------------------------------
@@ -282,16 +163,6 @@ async def latency(dsn: str, rate: float, seconds: float, *, batch_size: int = DE
     return {"jobs": n, "rate": rate, **percentiles(lat)}
 
 
-def percentiles(values_ms: list[float]) -> dict[str, float]:
-    xs = sorted(values_ms)
-    if not xs:
-        return {}
-
-    def pct(p: float) -> float:
-        return round(xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))], 3)
-
-    return {"p50_ms": pct(50), "p90_ms": pct(90), "p99_ms": pct(99), "max_ms": round(xs[-1], 3)}
-
 
 def _quiet_pgqueuer_logs() -> None:
     import logging
@@ -304,17 +175,8 @@ def _quiet_pgqueuer_logs() -> None:
 # --------------------------------------------------------------------------
 
 # Completion is a DELETE from pgqueuer + an INSERT into pgqueuer_log
-# ('successful') in one statement, so an empty queue table means every result
-# is committed. created = now() of the inserting/completing transaction.
-_QUEUE_EMPTY = "SELECT NOT EXISTS (SELECT 1 FROM pgqueuer)"
-_E2E = """
-SELECT extract(epoch FROM max(created) FILTER (WHERE status = 'successful')
-                         - min(created) FILTER (WHERE status = 'queued'))::float8 AS seconds,
-       count(*) FILTER (WHERE status = 'successful') AS done
-FROM pgqueuer_log
-"""
-
-
+# ('successful') in one statement, so an empty queue table means every
+# result is committed.
 async def _serve_until(dsn: str, workers: int, batch_size: int, ready: Any, stop: Any) -> None:
     from pgqueuer import QueueManager
     from pgqueuer.db import AsyncpgDriver
@@ -362,14 +224,12 @@ def _serve_process(dsn: str, workers: int, batch_size: int, use_uvloop: bool,
 
 async def end_to_end(dsn: str, n: int, *, chunk: int = ENQUEUE_CHUNK, batch_size: int = DEFAULT_BATCH,
                      workers: int = DEFAULT_WORKERS, processes: int = 1, use_uvloop: bool = True,
-                     cpu_of: Any = None, pg_pid: int | None = None,
-                     timeout: float = 900.0) -> dict[str, Any]:
+                     pg_pid: int | None = None, timeout: float = 900.0) -> dict[str, Any]:
     """Consumers first (idle, listening), then n jobs inserted ``chunk`` at a time.
 
     Returns end-to-end seconds (first insert -> last result committed, from the
     database's own timestamps), jobs/s, and the CPU seconds of the consumers
-    (and of the PostgreSQL server ``pg_pid``, with its backends) when
-    ``cpu_of(pids)`` is given.
+    (and of the PostgreSQL server ``pg_pid``, with its backends).
     """
     _require()
     from pgqueuer.db import AsyncpgDriver
@@ -389,20 +249,19 @@ async def end_to_end(dsn: str, n: int, *, chunk: int = ENQUEUE_CHUNK, batch_size
         for r in readies:
             if not await asyncio.to_thread(r.wait, 60):
                 raise RuntimeError("pgqueuer consumer process did not start")
-        cpu0 = cpu_of([p.pid for p in procs]) if cpu_of else 0.0
-        pg0 = cpu_of([pg_pid]) if cpu_of and pg_pid else None
+        cpu = CpuMeter({"consumers": [p.pid for p in procs if p.pid], "postgres": [pg_pid] if pg_pid else []})
+        cpu.start()
         q = Queries(AsyncpgDriver(conn))
         for lo in range(0, n, chunk):
             k = min(chunk, n - lo)
             await q.enqueue([ENTRYPOINT] * k, [None] * k, [0] * k)
         deadline = time.monotonic() + timeout
-        while not await conn.fetchval(_QUEUE_EMPTY):
+        while not await conn.fetchval(queries["pgqueuer_empty"]):
             if time.monotonic() > deadline:
                 raise RuntimeError("pgqueuer did not finish in time")
             await asyncio.sleep(0.05)
-        cpu1 = cpu_of([p.pid for p in procs]) if cpu_of else 0.0
-        pg1 = cpu_of([pg_pid]) if cpu_of and pg_pid else None
-        row = await conn.fetchrow(_E2E)
+        used = cpu.stop()
+        row = await conn.fetchrow(queries["pgqueuer_end_to_end"])
     finally:
         stop.set()
         await conn.close()
@@ -414,7 +273,6 @@ async def end_to_end(dsn: str, n: int, *, chunk: int = ENQUEUE_CHUNK, batch_size
         raise RuntimeError(f"pgqueuer completed {row['done']} jobs, expected {n}")
     seconds = float(row["seconds"])
     return {"jobs": n, "seconds": round(seconds, 3), "jobs_per_s": round(n / seconds, 1),
-            "consumer_cpu_s": round(cpu1 - cpu0, 2),
-            "postgres_cpu_s": round(pg1 - pg0, 2) if pg0 is not None and pg1 is not None else None,
+            "consumer_cpu_s": used["consumers"], "postgres_cpu_s": used["postgres"],
             "batch_size": batch_size, "workers": workers,
             "processes": processes, "chunk": chunk}

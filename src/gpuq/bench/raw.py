@@ -9,113 +9,83 @@ is empty. jobs/s = N / (first lease -> last completion committed).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import time
 from typing import Any
 
+import anyio
+
 from gpuq import queue
 from gpuq.bench.common import (
-    add_common_args,
+    Target,
+    declare,
     positive_int,
     print_settings,
     print_table,
     progress,
+    queries,
     reset_gpuq_schema,
-    run_bench,
     server_settings,
+    standalone,
 )
 from gpuq.db import connect
+from gpuq.harness import KIND
 
-KIND = "bench"
 LEASE_SECONDS = 300.0
-
-_INSERT_PENDING = """
-INSERT INTO gpuq.jobs (kind, payload)
-SELECT $1, jsonb_build_object('i', g) FROM generate_series(1, $2::int) AS g
-"""
-_COUNT_DONE = "SELECT count(*) FROM gpuq.jobs WHERE status = 'done'"
-_VACUUM = "VACUUM (ANALYZE) gpuq.jobs"
 
 
 def register(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser(
-        "raw", help="jobs/s of the lease + complete SQL alone (the ceiling for serve + agents)",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    p.add_argument("--jobs", type=positive_int, default=100_000, help="jobs to run (default 100000)")
-    p.add_argument("--batch", type=positive_int, default=64, help="jobs per lease (default 64)")
-    p.add_argument("--workers", type=positive_int, default=2,
-                   help="concurrent lease/complete loops, one connection each (default 2)")
-    add_common_args(p)
-    p.set_defaults(bench=main)
+    def args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--jobs", type=positive_int, default=100_000, help="jobs to run (default 100000)")
+        p.add_argument("--batch", type=positive_int, default=64, help="jobs per lease (default 64)")
+        p.add_argument("--workers", type=positive_int, default=2,
+                       help="concurrent lease/complete loops, one connection each (default 2)")
+
+    async def body(t: Target, a: argparse.Namespace) -> dict[str, Any]:
+        return await run(t.dsn, a.jobs, a.batch, a.workers)
+
+    declare(sub, "raw", "jobs/s of the lease + complete SQL alone (the ceiling for serve + agents)",
+            __doc__, args, body, report)
 
 
-def main(args: argparse.Namespace) -> int:
-    async def body(dsn: str) -> dict[str, Any]:
-        return await run(dsn, args.jobs, args.batch, args.workers)
-
-    return run_bench(args, body)
-
-
-async def run(dsn: str, jobs: int, batch: int, workers: int, quiet: bool = False) -> dict[str, Any]:
+async def run(dsn: str, jobs: int, batch: int, workers: int) -> dict[str, Any]:
     await reset_gpuq_schema(dsn)
     conns = [await connect(dsn) for _ in range(workers)]
+    done, leases = [0] * workers, [0] * workers
+
+    async def worker(i: int) -> None:
+        while got := (await queue.lease(conns[i], [KIND], batch, f"raw#{i}", LEASE_SECONDS)).jobs:
+            leases[i] += 1
+            done[i] += len(await queue.complete_many(conns[i], [(j.id, j.lease_token, None) for j in got]))
+
     try:
         settings = await server_settings(conns[0])
         t0 = time.perf_counter()
-        await conns[0].execute(_INSERT_PENDING, KIND, jobs)
+        await conns[0].execute(queries["insert_pending"], KIND, jobs)
         insert_s = time.perf_counter() - t0
-        await conns[0].execute(_VACUUM)
+        await conns[0].execute(queries["vacuum_jobs"])
         progress(f"inserted {jobs:,} pending jobs in {insert_s:.2f}s; running {workers} workers")
-
-        done = [0] * workers
-        leases = [0] * workers
-
-        async def worker(i: int) -> None:
-            conn, agent = conns[i], f"raw#{i}"
-            while True:
-                got = await queue.lease(conn, [KIND], batch, agent, LEASE_SECONDS)
-                if not got.jobs:
-                    return
-                leases[i] += 1
-                accepted = await queue.complete_many(conn, [(j.id, j.lease_token, None) for j in got.jobs])
-                done[i] += len(accepted)
-
-        async def report() -> None:
-            while True:
-                await asyncio.sleep(2.0)
-                progress(f"{sum(done):,}/{jobs:,} done")
-
-        reporter = asyncio.create_task(report())
         start = time.perf_counter()
-        try:
-            await asyncio.gather(*(worker(i) for i in range(workers)))
-        finally:
-            reporter.cancel()
+        async with anyio.create_task_group() as tg:
+            for i in range(workers):
+                tg.start_soon(worker, i)
         elapsed = time.perf_counter() - start
-        committed = await conns[0].fetchval(_COUNT_DONE)
+        committed = await conns[0].fetchval(queries["count_done"])
     finally:
         for c in conns:
             await c.close()
-
     if committed != jobs:
         raise RuntimeError(f"raw: {committed} jobs done, expected {jobs}")
-    result = {
-        "bench": "raw",
-        "jobs": jobs,
-        "batch": batch,
-        "workers": workers,
-        "elapsed_s": round(elapsed, 3),
-        "insert_s": round(insert_s, 3),
-        "raw_jobs_per_s": round(jobs / elapsed, 1),
-        "leases": sum(leases),
-        "postgres": settings,
-    }
-    if quiet:
-        return result
-    print_settings(settings)
+    return {"bench": "raw", "jobs": jobs, "batch": batch, "workers": workers, "elapsed_s": round(elapsed, 3),
+            "insert_s": round(insert_s, 3), "raw_jobs_per_s": round(jobs / elapsed, 1), "leases": sum(leases),
+            "postgres": settings}
+
+
+def report(r: dict[str, Any]) -> None:
+    print_settings(r["postgres"])
     print_table(["jobs", "batch", "workers", "insert s", "consume s", "jobs/s"],
-                [[jobs, batch, workers, result["insert_s"], result["elapsed_s"],
-                  result["raw_jobs_per_s"]]],
+                [[r["jobs"], r["batch"], r["workers"], r["insert_s"], r["elapsed_s"], r["raw_jobs_per_s"]]],
                 title="raw: lease + complete_many over asyncpg, no websockets")
-    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(standalone("raw"))

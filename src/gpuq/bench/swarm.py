@@ -13,6 +13,7 @@ import anyio
 
 from gpuq.agent import Agent
 from gpuq.cli import load_handler
+from gpuq.runtime import run_service
 from gpuq.signals import stop_on_signal
 
 
@@ -38,12 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count", type=int, required=True)
     p.add_argument("--first", type=int, default=0)
     p.add_argument("--capacity", type=int, default=1)
-    p.add_argument("--handler", default="gpuq.bench.handlers:noop")
+    p.add_argument("--handler", default="gpuq.demo:noop")
     args = p.parse_args(argv)
     from gpuq import logs
 
     logs.configure(fmt="json", level="warning")
-    anyio.run(run, args)
+    run_service(run, args)
     return 0
 
 
