@@ -62,21 +62,16 @@ async def dsn(server_dsn: str) -> str:
 
 @pytest.fixture
 async def pool(dsn: str) -> AsyncIterator[asyncpg.Pool]:
-    p = await db.create_pool(dsn, min_size=1, max_size=12)
-    try:
+    async with await db.create_pool(dsn, min_size=1, max_size=12) as p:
         yield p
-    finally:
-        await p.close()
 
 
 @pytest.fixture
 async def live_conn(dsn: str) -> AsyncIterator[asyncpg.Connection]:
     """A plain connection on a fresh schema: what it does commits."""
     c = await db.connect(dsn)
-    try:
-        yield c
-    finally:
-        await c.close()
+    yield c  # pytest comes back here after the test, failed or not
+    await c.close()
 
 
 @pytest.fixture

@@ -34,15 +34,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI
 
 from gpuq import logs, protocol
 from gpuq.loops import RetryBackoff, run_every
-from gpuq.protocol import Hello
-from gpuq.protocol.agent_side import (
-    Acked,
-    AgentProtocol,
-    JobsReceived,
-    ServerDraining,
-    ServerError,
-    Welcomed,
-)
+from gpuq.protocol import Ack, Error, Hello, Jobs, ServerDrain, Welcome
+from gpuq.protocol.agent_side import AgentProtocol
 from gpuq.signals import stop_on_signal
 
 log = logs.get("agent")
@@ -138,15 +131,15 @@ class Agent:
             self.protocol.connection_made()
             await self._send(ws)
             welcome = self.protocol.receive(await ws.recv())
-            assert isinstance(welcome, Welcomed)
-            log.info("agent.connected", agent=welcome.welcome.agent_id, url=self.url, kinds=list(self.kinds),
+            assert isinstance(welcome, Welcome)  # the protocol refuses anything else first
+            log.info("agent.connected", agent=welcome.agent_id, url=self.url, kinds=list(self.kinds),
                      capacity=self.capacity, event_loop=logs.event_loop_name())
             self.connected.set()
             self._ready.set()  # outcomes the last connection did not see acked go first
             try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._sender, ws)
-                    tg.start_soon(self._heartbeats, welcome.welcome.heartbeat_seconds)
+                    tg.start_soon(self._heartbeats, welcome.heartbeat_seconds)
                     await self._reader(ws, tg)
                     tg.cancel_scope.cancel()
             except BaseExceptionGroup as group:
@@ -158,15 +151,15 @@ class Agent:
             await ws.close()
             return
         async for frame in ws:
-            event = self.protocol.receive(frame)
-            if isinstance(event, JobsReceived):
-                tg.start_soon(self._run_jobs, event.jobs)
-            elif isinstance(event, Acked) and event.rejected:
-                log.warning("agent.results_rejected", agent=self.name, job_ids=list(event.rejected))
-            elif isinstance(event, ServerDraining):
-                log.info("agent.server_draining", agent=self.name, deadline_seconds=event.deadline_seconds)
-            elif isinstance(event, ServerError):
-                log.warning("agent.server_error", agent=self.name, code=event.code, message=event.message)
+            msg = self.protocol.receive(frame)
+            if isinstance(msg, Jobs):
+                tg.start_soon(self._run_jobs, list(msg.jobs))
+            elif isinstance(msg, Ack) and msg.rejected:
+                log.warning("agent.results_rejected", agent=self.name, job_ids=list(msg.rejected))
+            elif isinstance(msg, ServerDrain):
+                log.info("agent.server_draining", agent=self.name, deadline_seconds=msg.deadline_seconds)
+            elif isinstance(msg, Error):
+                log.warning("agent.server_error", agent=self.name, code=msg.code, message=msg.message)
             if self.protocol.finished:
                 await ws.close()
 

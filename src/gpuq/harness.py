@@ -180,6 +180,16 @@ async def raw_agent(srv: Running, kinds: tuple[str, ...] = ("embed",), capacity:
     return ws, welcome
 
 
+async def raw_agent_with_jobs(srv: Running, db: Any, n: int) -> tuple[ClientConnection, list[dict[str, Any]]]:
+    """A raw agent of capacity ``n`` and the ``n`` 'embed' jobs inserted (through ``db``) and pushed to it."""
+    ws, _ = await raw_agent(srv, capacity=n)
+    await db.execute("INSERT INTO gpuq.jobs (kind) SELECT 'embed' FROM generate_series(1, $1::int)", n)
+    jobs: list[dict[str, Any]] = []
+    while len(jobs) < n:
+        jobs += (await next_of(ws, "jobs"))["jobs"]
+    return ws, jobs
+
+
 async def next_of(ws: ClientConnection, kind: str, timeout: float = 5) -> dict[str, Any]:
     """The next message of type ``kind`` (others are skipped)."""
     with anyio.fail_after(timeout):

@@ -10,12 +10,8 @@ from tests.helpers import sets, wait_count
 
 async def test_jobs_inserted_while_not_listening_are_delivered_after_reconnect(dsn, pool):
     got = anyio.Event()
-
-    async def handle(job):
-        got.set()
-
     async with running_server(dsn, poll_seconds=30) as srv:
-        await srv.agent(["embed"], 1, handle)
+        await srv.agent(["embed"], 1, sets(got))
         await anyio.sleep(0.3)
         # The notification is lost for sure: no trigger fires for this insert.
         await pool.execute("ALTER TABLE gpuq.jobs DISABLE TRIGGER jobs_notify_inserted")

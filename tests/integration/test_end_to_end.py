@@ -3,7 +3,7 @@
 import anyio
 
 from gpuq.harness import running_server
-from tests.helpers import count, wait_count
+from tests.helpers import count, sets, wait_count
 
 
 async def test_1000_jobs_three_agents_each_done_exactly_once(dsn, pool):
@@ -30,12 +30,8 @@ async def test_1000_jobs_three_agents_each_done_exactly_once(dsn, pool):
 
 async def test_a_single_insert_reaches_an_idle_agent_without_polling(dsn, pool):
     started = anyio.Event()
-
-    async def handle(job):
-        started.set()
-
     async with running_server(dsn, poll_seconds=30) as srv:
-        await srv.agent(["embed"], 1, handle)
+        await srv.agent(["embed"], 1, sets(started))
         await anyio.sleep(0.3)  # the agent is idle: its first lease pass found nothing
         await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('embed')")
         with anyio.fail_after(3):  # far below the 30 s poll interval: NOTIFY did it

@@ -48,15 +48,13 @@ async def test_concurrent_migrators_both_succeed(server_dsn):
 
 
 async def test_tampered_applied_file_is_reported(dsn, tmp_path: Path):
-    for mig in load_migrations():
-        (tmp_path / mig.name).write_text(mig.sql + "\n-- edited after it was applied\n")
+    copy_migrations(tmp_path, "\n-- edited after it was applied\n")
     with pytest.raises(MigrationError, match="changed after it was applied"):
         await migrate(dsn, tmp_path)
 
 
 async def test_new_file_is_applied_and_bad_names_refused(dsn, tmp_path: Path):
-    for mig in load_migrations():
-        (tmp_path / mig.name).write_text(mig.sql)
+    copy_migrations(tmp_path)
     (tmp_path / "9999_extra.sql").write_text("CREATE TABLE gpuq.extra (x int);")
     assert await migrate(dsn, tmp_path) == ["9999_extra.sql"]
     (tmp_path / "oops.sql").write_text("SELECT 1;")
@@ -65,8 +63,7 @@ async def test_new_file_is_applied_and_bad_names_refused(dsn, tmp_path: Path):
 
 
 async def test_failing_migration_rolls_back_whole_file(dsn, tmp_path: Path):
-    for mig in load_migrations():
-        (tmp_path / mig.name).write_text(mig.sql)
+    copy_migrations(tmp_path)
     (tmp_path / "9998_broken.sql").write_text("CREATE TABLE gpuq.half (x int);\nSELECT no_such_fn();")
     with pytest.raises(asyncpg.PostgresError):
         await migrate(dsn, tmp_path)
@@ -85,3 +82,9 @@ def test_the_package_ships_the_top_level_migrations():
     shipped = Path(m.__file__).parent / "migrations"
     assert sorted(p.name for p in shipped.glob("*.sql")) == sorted(p.name for p in top.glob("*.sql"))
     assert [x.checksum for x in load_migrations(shipped)] == [x.checksum for x in load_migrations(top)]
+
+
+def copy_migrations(directory: Path, suffix: str = "") -> None:
+    """The shipped migrations, each with ``suffix`` appended, as files in ``directory``."""
+    for mig in load_migrations():
+        (directory / mig.name).write_text(mig.sql + suffix)

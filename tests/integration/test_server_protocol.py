@@ -8,7 +8,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from gpuq import protocol, server
-from gpuq.harness import TOKEN, next_of, raw_agent, running_server
+from gpuq.harness import TOKEN, next_of, raw_agent, raw_agent_with_jobs, running_server
 from tests.helpers import sets
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -141,11 +141,7 @@ async def test_connection_limits_per_address_and_in_total(dsn):
 async def test_a_result_postgres_cannot_store_is_refused_and_blocks_nothing(dsn, pool):
     """Found by the fuzzer: U+0000 in a result made every later batch fail."""
     async with running_server(dsn) as srv:
-        ws, _ = await raw_agent(srv, capacity=2)
-        await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'embed' FROM generate_series(1, 2)")
-        jobs = []
-        while len(jobs) < 2:
-            jobs += (await next_of(ws, "jobs"))["jobs"]
+        ws, jobs = await raw_agent_with_jobs(srv, pool, 2)
         bad, good = jobs
         await ws.send(json.dumps({"type": "done", "id": bad["id"], "lease_token": bad["lease_token"],
                                   "result": {"text": "nul\u0000here"}}))
@@ -159,11 +155,7 @@ async def test_a_result_postgres_cannot_store_is_refused_and_blocks_nothing(dsn,
 
 async def test_one_results_frame_settles_many_jobs_and_gets_one_ack(dsn, pool):
     async with running_server(dsn) as srv:
-        ws, _ = await raw_agent(srv, capacity=8)
-        await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'embed' FROM generate_series(1, 8)")
-        jobs = []
-        while len(jobs) < 8:
-            jobs += (await next_of(ws, "jobs"))["jobs"]
+        ws, jobs = await raw_agent_with_jobs(srv, pool, 8)
         forged = {"type": "done", "id": 10**9, "lease_token": "00000000-0000-0000-0000-000000000000",
                   "result": "forged"}
         outcomes = [{"type": "done", "id": j["id"], "lease_token": j["lease_token"], "result": {"n": j["id"]}}

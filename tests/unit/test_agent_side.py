@@ -4,8 +4,17 @@ import json
 
 import pytest
 
-from gpuq.protocol import Hello, JobMessage, ProtocolError, parse_client
-from gpuq.protocol.agent_side import Acked, AgentProtocol, JobsReceived, ServerDraining, Welcomed
+from gpuq.protocol import (
+    Ack,
+    Hello,
+    JobMessage,
+    Jobs,
+    ProtocolError,
+    ServerDrain,
+    Welcome,
+    parse_client,
+)
+from gpuq.protocol.agent_side import AgentProtocol
 
 TOKEN = "00000000-0000-0000-0000-000000000000"
 WELCOME = json.dumps({"type": "welcome", "agent_id": "a#1", "protocol": 1, "lease_seconds": 30,
@@ -25,7 +34,7 @@ def connected() -> AgentProtocol:
     p = AgentProtocol(Hello("a", ("embed",), 4))
     p.connection_made()
     assert [json.loads(f)["type"] for f in p.frames_to_send()] == ["hello"]
-    assert isinstance(p.receive(WELCOME), Welcomed)
+    assert isinstance(p.receive(WELCOME), Welcome)
     return p
 
 
@@ -47,7 +56,7 @@ def test_the_first_frame_must_be_a_welcome():
 
 def test_outcomes_ready_together_go_in_one_results_frame_the_server_parses():
     p = connected()
-    assert isinstance(p.receive(jobs_frame(1, 2, 3)), JobsReceived)
+    assert isinstance(p.receive(jobs_frame(1, 2, 3)), Jobs)
     p.job_done(job(1), {"ok": 1})
     p.job_failed(job(2), "boom", retryable=True)
     [frame] = p.frames_to_send()
@@ -61,7 +70,7 @@ def test_an_outcome_is_kept_until_acked_and_sent_again_after_a_reconnect():
     p.job_done(job(1), 1)
     p.job_done(job(2), 2)
     p.frames_to_send()
-    assert p.receive('{"type": "ack", "accepted": [1], "rejected": []}') == Acked((1,), ())
+    assert p.receive('{"type": "ack", "accepted": [1], "rejected": []}') == Ack((1,), ())
     assert set(p.unacked) == {2} and p.completed == 1
     p.connection_lost()
     p.connection_made()
@@ -101,7 +110,7 @@ def test_drain_then_finished_once_nothing_runs_or_waits_for_an_ack():
     p.frames_to_send()
     p.receive('{"type": "ack", "accepted": [1], "rejected": []}')
     assert p.finished
-    assert isinstance(p.receive('{"type": "drain", "deadline_seconds": 3}'), ServerDraining)
+    assert isinstance(p.receive('{"type": "drain", "deadline_seconds": 3}'), ServerDrain)
 
 
 def test_a_drain_asked_while_disconnected_is_sent_after_the_next_welcome():
@@ -111,3 +120,9 @@ def test_a_drain_asked_while_disconnected_is_sent_after_the_next_welcome():
     p.frames_to_send()
     p.receive(WELCOME)
     assert [json.loads(f)["type"] for f in p.frames_to_send()] == ["drain"]
+
+
+def test_a_second_welcome_is_refused():
+    p = connected()
+    with pytest.raises(ProtocolError, match="second welcome"):
+        p.receive(WELCOME)

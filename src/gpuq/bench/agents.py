@@ -18,17 +18,7 @@ from typing import Any
 
 import anyio
 
-from gpuq.bench.common import (
-    Target,
-    declare,
-    fleet_on,
-    positive_int,
-    print_settings,
-    print_table,
-    progress,
-    queries,
-    standalone,
-)
+from gpuq.bench import common
 from gpuq.bench.measure import CpuMeter, rss_mb
 from gpuq.bench.throughput import drained, insert
 from gpuq.harness import http_json
@@ -36,27 +26,27 @@ from gpuq.harness import http_json
 
 def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--agents", type=positive_int, default=1000, help="agents (default 1000)")
-        p.add_argument("--per-process", type=positive_int, default=250,
+        p.add_argument("--agents", type=common.positive_int, default=1000, help="agents (default 1000)")
+        p.add_argument("--per-process", type=common.positive_int, default=250,
                        help="agents per swarm process (default 250)")
-        p.add_argument("--capacity", type=positive_int, default=1, help="capacity of each agent (default 1)")
-        p.add_argument("--jobs", type=positive_int, default=None,
+        p.add_argument("--capacity", type=common.positive_int, default=1, help="capacity of each agent (default 1)")
+        p.add_argument("--jobs", type=common.positive_int, default=None,
                        help="jobs once all are connected (default 20 per agent)")
 
-    async def body(t: Target, a: argparse.Namespace) -> dict[str, Any]:
+    async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
         return await run(t.dsn, a.agents, a.per_process, a.capacity, a.jobs or 20 * a.agents)
 
-    declare(sub, "agents", "many websocket agents on one serve: connect time, serve RSS, jobs/s",
+    common.declare(sub, "agents", "many websocket agents on one serve: connect time, serve RSS, jobs/s",
             __doc__, args, body, report)
 
 
 async def run(dsn: str, agents: int, per_process: int, capacity: int, jobs: int) -> dict[str, Any]:
-    async with fleet_on(dsn) as (fleet, conn, settings):
+    async with common.fleet_on(dsn) as (fleet, conn, settings):
         await anyio.to_thread.run_sync(fleet.start_serve)
         assert fleet.serve is not None
         serve_pid = fleet.serve.popen.pid
         rss_idle = rss_mb(serve_pid)
-        progress(f"serve on 127.0.0.1:{fleet.port} ({rss_idle:.0f} MB); starting {agents} agents, "
+        common.progress(f"serve on 127.0.0.1:{fleet.port} ({rss_idle:.0f} MB); starting {agents} agents, "
                  f"{per_process} per process; logs in {fleet.logdir}")
         t0 = time.perf_counter()
         fleet.start_swarm(agents, per_process, capacity)
@@ -64,7 +54,7 @@ async def run(dsn: str, agents: int, per_process: int, capacity: int, jobs: int)
         connect_s = time.perf_counter() - t0
         await anyio.sleep(1.0)  # let the last handshakes settle before reading RSS
         rss_connected = rss_mb(serve_pid)
-        progress(f"{agents} connected in {connect_s:.1f}s, serve RSS {rss_connected:.0f} MB; "
+        common.progress(f"{agents} connected in {connect_s:.1f}s, serve RSS {rss_connected:.0f} MB; "
                  f"inserting {jobs:,} jobs")
         cpu = CpuMeter(fleet.pids())
         cpu.start()
@@ -73,7 +63,7 @@ async def run(dsn: str, agents: int, per_process: int, capacity: int, jobs: int)
         used = cpu.stop()
         rss_after = rss_mb(serve_pid)
         status = http_json(fleet.port, "/status")
-        row = await conn.fetchrow(queries["end_to_end"])
+        row = await conn.fetchrow(common.queries["end_to_end"])
     if row["done"] != jobs:
         raise RuntimeError(f"{row['done']} jobs done, expected {jobs}")
     seconds = float(row["seconds"])
@@ -92,8 +82,8 @@ async def run(dsn: str, agents: int, per_process: int, capacity: int, jobs: int)
 
 
 def report(r: dict[str, Any]) -> None:
-    print_settings(r["postgres"])
-    print_table(
+    common.print_settings(r["postgres"])
+    common.print_table(
         ["agents", "connect s", "serve RSS idle MB", "serve RSS MB", "KB/agent", "jobs", "jobs/s",
          "serve CPU s", "swarm CPU s", "agents used"],
         [[r["agents"], r["connect_s"], r["serve_rss_idle_mb"], r["serve_rss_mb"], r["serve_kb_per_agent"],
@@ -103,4 +93,4 @@ def report(r: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(standalone("agents"))
+    raise SystemExit(common.standalone("agents"))

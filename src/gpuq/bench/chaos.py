@@ -35,16 +35,7 @@ from typing import Any
 import anyio
 import asyncpg
 
-from gpuq.bench.common import (
-    Target,
-    declare,
-    positive_int,
-    print_pairs,
-    progress,
-    queries,
-    reset_gpuq_schema,
-    standalone,
-)
+from gpuq.bench import common
 from gpuq.bench.handlers import EXEC_DIR_ENV, WORK_MS_ENV
 from gpuq.bench.measure import count_errors
 from gpuq.devdb import Cluster, free_port
@@ -59,12 +50,12 @@ DB_ERRORS = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceErro
 
 async def install_witness(conn: Any) -> None:
     """(Re)create schema gpuq_chaos and the completion trigger on gpuq.jobs."""
-    await conn.execute(queries["witness_install"])
+    await conn.execute(common.queries["witness_install"])
 
 
 async def witness(conn: Any) -> dict[str, int]:
     """What the completion trigger saw: jobs completed twice, results not from the winning lease."""
-    return {k: int(v) for k, v in (await conn.fetchrow(queries["witness_verdict"])).items()}
+    return {k: int(v) for k, v in (await conn.fetchrow(common.queries["witness_verdict"])).items()}
 
 
 def read_executions(directory: Path) -> list[tuple[int, str, int]]:
@@ -138,7 +129,7 @@ class ChaosRun:
         self.t0 = time.monotonic()
 
     def _note(self, msg: str) -> None:
-        progress(f"chaos: t={time.monotonic() - self.t0:6.1f}s {msg}")
+        common.progress(f"chaos: t={time.monotonic() - self.t0:6.1f}s {msg}")
 
     def _spawn(self, m: Member) -> None:
         m.incarnation += 1
@@ -180,10 +171,10 @@ class ChaosRun:
                 if conn is None:
                     conn = await asyncpg.connect(self.dsn, timeout=5)
                     # After a failure the last INSERT may or may not have committed: count.
-                    self.c.inserted = int(await conn.fetchval(queries["count_all"]))
+                    self.c.inserted = int(await conn.fetchval(common.queries["count_all"]))
                     continue
                 if n > 0:
-                    await conn.execute(queries["insert_sequence"], KIND, self.c.inserted + 1,
+                    await conn.execute(common.queries["insert_sequence"], KIND, self.c.inserted + 1,
                                        self.cfg.max_attempts, n, timeout=10)
                     self.c.inserted += n
             except DB_ERRORS as exc:
@@ -248,7 +239,7 @@ class ChaosRun:
                 try:
                     conn = await asyncpg.connect(self.dsn, timeout=5)
                     try:
-                        last = dict(await conn.fetchrow(queries["live_by_state"]))
+                        last = dict(await conn.fetchrow(common.queries["live_by_state"]))
                     finally:
                         await conn.close()
                 except DB_ERRORS:
@@ -262,11 +253,11 @@ class ChaosRun:
     async def _verdict(self, live: dict[str, int]) -> dict[str, Any]:
         conn = await asyncpg.connect(self.dsn, timeout=10)
         try:
-            await conn.execute(queries["witness_uninstall"])
-            totals = dict(await conn.fetchrow(queries["totals"]))
+            await conn.execute(common.queries["witness_uninstall"])
+            totals = dict(await conn.fetchrow(common.queries["totals"]))
             w = await witness(conn)
-            winners = {(r["job_id"], r["token"]) for r in await conn.fetch(queries["chaos_winners"])}
-            dead_reasons = {str(r[0])[:80]: r[1] for r in await conn.fetch(queries["chaos_dead_reasons"])}
+            winners = {(r["job_id"], r["token"]) for r in await conn.fetch(common.queries["chaos_winners"])}
+            dead_reasons = {str(r[0])[:80]: r[1] for r in await conn.fetch(common.queries["chaos_dead_reasons"])}
         finally:
             await conn.close()
         execs = read_executions(self.execdir)
@@ -276,7 +267,7 @@ class ChaosRun:
                 "duplicate_executions": len(execs) - len({j for j, _, _ in execs}), "dead_reasons": dead_reasons}
 
     async def run(self) -> dict[str, Any]:
-        await reset_gpuq_schema(self.dsn)
+        await common.reset_gpuq_schema(self.dsn)
         conn = await asyncpg.connect(self.dsn)
         try:
             await install_witness(conn)
@@ -322,14 +313,14 @@ class ChaosRun:
             if out and not failed(out) and not self.cfg.keep_logs:
                 shutil.rmtree(self.workdir, ignore_errors=True)
             else:
-                progress(f"chaos: logs and execution records kept in {self.workdir}")
+                common.progress(f"chaos: logs and execution records kept in {self.workdir}")
 
 
 async def _uninstall_quietly(dsn: str) -> None:
     try:
         conn = await asyncpg.connect(dsn, timeout=10)
         try:
-            await conn.execute(queries["witness_uninstall"])
+            await conn.execute(common.queries["witness_uninstall"])
         finally:
             await conn.close()
     except DB_ERRORS:
@@ -358,7 +349,7 @@ SUMMARY = ("done", "lost", "dead", "double_completed", "wrong_result", "duplicat
 
 
 def report(out: dict[str, Any]) -> None:
-    print_pairs("gpuq chaos run", [(k.replace("_", " "), out[k]) for k in (
+    common.print_pairs("gpuq chaos run", [(k.replace("_", " "), out[k]) for k in (
         "inserted", "done", "dead", "lost", "live", "double_completed", "wrong_result",
         "completed_without_execution", "executions", "duplicate_executions", "max_attempts_seen", "agent_kills",
         "dispatcher_kills", "pg_restarts", "insert_errors", "serve_crashes", "agent_crashes",
@@ -369,11 +360,11 @@ def report(out: dict[str, Any]) -> None:
 
 def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--jobs", type=positive_int, default=20_000, help="jobs to insert (default 20000)")
+        p.add_argument("--jobs", type=common.positive_int, default=20_000, help="jobs to insert (default 20000)")
         p.add_argument("--seconds", type=float, default=60.0,
                        help="spread the inserts (and the chaos) over this long (default 60)")
-        p.add_argument("--agents", type=positive_int, default=6, help="agent processes (default 6)")
-        p.add_argument("--capacity", type=positive_int, default=8, help="capacity of each agent (default 8)")
+        p.add_argument("--agents", type=common.positive_int, default=6, help="agent processes (default 6)")
+        p.add_argument("--capacity", type=common.positive_int, default=8, help="capacity of each agent (default 8)")
         p.add_argument("--work-ms", type=float, default=50.0, help="mean handler time per job (default 50)")
         p.add_argument("--dispatcher-kills", type=int, default=2, help="serve SIGKILLs (default 2)")
         p.add_argument("--no-pg-restart", action="store_true", help="skip the PostgreSQL restart")
@@ -384,17 +375,17 @@ def register(sub: Any) -> None:
         p.add_argument("--seed", type=int, default=None, help="seed of the kill schedule")
         p.add_argument("--keep-logs", action="store_true", help="keep process logs even on success")
 
-    async def body(t: Target, a: argparse.Namespace) -> dict[str, Any]:
+    async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
         cfg = ChaosConfig(jobs=a.jobs, seconds=a.seconds, agents=a.agents, capacity=a.capacity,
                           work_ms=a.work_ms, dispatcher_kills=a.dispatcher_kills, pg_restart=not a.no_pg_restart,
                           lease_seconds=a.lease_seconds, heartbeat_seconds=min(1.0, a.lease_seconds / 3),
                           drain_timeout=a.drain_timeout, seed=a.seed, keep_logs=a.keep_logs)
         return await run_chaos(t.dsn, t.cluster, cfg)
 
-    declare(sub, "chaos", "kill agents, dispatchers and PostgreSQL mid-run: nothing lost, nothing completed "
+    common.declare(sub, "chaos", "kill agents, dispatchers and PostgreSQL mid-run: nothing lost, nothing completed "
             "twice", __doc__, args, body, report, failed,
             summary=lambda out: {"bench": "chaos", "jobs": out["inserted"], **{k: out[k] for k in SUMMARY}})
 
 
 if __name__ == "__main__":
-    raise SystemExit(standalone("chaos"))
+    raise SystemExit(common.standalone("chaos"))

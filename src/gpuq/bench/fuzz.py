@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 
 from gpuq import db, protocol, queue
-from gpuq.bench.common import Target, declare, queries, reset_gpuq_schema, standalone
+from gpuq.bench import common
 from gpuq.harness import TOKEN, ThreadedServer
 
 MAX_PAYLOAD = 4096
@@ -133,11 +133,11 @@ async def prepare(dsn: str) -> dict[str, Any]:
     whose (now stale) tokens the fuzzer replays."""
     conn = await db.connect(dsn)
     try:
-        await conn.execute(queries["fuzz_victims"])
+        await conn.execute(common.queries["fuzz_victims"])
         finished = (await queue.lease(conn, ["victim"], 10, "gone#00000000", 300)).jobs
         await queue.complete_many(conn, [(j.id, j.lease_token, {"by": "owner"}) for j in finished])
         held = (await queue.lease(conn, ["victim"], 10, "victim#00000000", 300)).jobs
-        snapshot = [tuple(r) for r in await conn.fetch(queries["fuzz_snapshot"])]
+        snapshot = [tuple(r) for r in await conn.fetch(common.queries["fuzz_snapshot"])]
     finally:
         await conn.close()
     return {"stale_tokens": [j.lease_token for j in finished] + [str(uuid.uuid4())],
@@ -148,7 +148,7 @@ async def changed(dsn: str, before: list[tuple[Any, ...]]) -> list[Any]:
     """Rows that differ from the snapshot (must be none)."""
     conn = await db.connect(dsn)
     try:
-        after = [tuple(r) for r in await conn.fetch(queries["fuzz_snapshot"])]
+        after = [tuple(r) for r in await conn.fetch(common.queries["fuzz_snapshot"])]
     finally:
         await conn.close()
     return [(a, b) for a, b in zip(before, after, strict=False) if a != b] + (
@@ -192,7 +192,7 @@ def _healthy_agent_is_served(server: ThreadedServer, dsn: str) -> bool:
     async def sql(name: str, *args: Any) -> Any:
         conn = await db.connect(dsn)
         try:
-            return await conn.fetchval(queries[name], *args)
+            return await conn.fetchval(common.queries[name], *args)
         finally:
             await conn.close()
 
@@ -216,8 +216,8 @@ def register(sub: Any) -> None:
         p.add_argument("--examples", type=int, default=20_000, help="frames to send (default 20000)")
         p.add_argument("--seed", type=int, help="hypothesis seed (default: derandomized)")
 
-    async def body(t: Target, a: argparse.Namespace) -> dict[str, Any]:
-        await reset_gpuq_schema(t.dsn)
+    async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
+        await common.reset_gpuq_schema(t.dsn)
         t0 = time.monotonic()
         # run_fuzz drives sync websocket clients and its own server thread.
         figures = await anyio.to_thread.run_sync(run_fuzz, t.dsn, a.examples, a.seed)
@@ -227,8 +227,8 @@ def register(sub: Any) -> None:
         print(f"fuzzed {figures['examples']} frames in {figures['seconds']} s: server stayed up, "
               f"closes by code {figures['closes']}, jobs changed: 0")
 
-    declare(sub, "fuzz", "protocol fuzzing against a live server (hypothesis)", __doc__, args, body, report)
+    common.declare(sub, "fuzz", "protocol fuzzing against a live server (hypothesis)", __doc__, args, body, report)
 
 
 if __name__ == "__main__":
-    raise SystemExit(standalone("fuzz"))
+    raise SystemExit(common.standalone("fuzz"))

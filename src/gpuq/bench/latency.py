@@ -20,20 +20,7 @@ from typing import Any
 import anyio
 
 from gpuq import queue
-from gpuq.bench import peer_pgqueuer
-from gpuq.bench.common import (
-    Target,
-    declare,
-    fleet_on,
-    positive_float,
-    positive_int,
-    print_settings,
-    print_table,
-    progress,
-    queries,
-    standalone,
-    wait_until,
-)
+from gpuq.bench import common, peer_pgqueuer
 from gpuq.bench.measure import percentiles
 from gpuq.harness import KIND, Fleet
 from gpuq.queue import NewJob
@@ -43,19 +30,19 @@ STATS = ("p50_ms", "p90_ms", "p99_ms", "max_ms")
 
 def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--rate", type=positive_float, default=100.0, help="jobs per second (default 100)")
-        p.add_argument("--seconds", type=positive_float, default=20.0, help="duration (default 20)")
-        p.add_argument("--agents", type=positive_int, default=2, help="agent processes (default 2)")
-        p.add_argument("--capacity", type=positive_int, default=4, help="capacity of each agent (default 4)")
+        p.add_argument("--rate", type=common.positive_float, default=100.0, help="jobs per second (default 100)")
+        p.add_argument("--seconds", type=common.positive_float, default=20.0, help="duration (default 20)")
+        p.add_argument("--agents", type=common.positive_int, default=2, help="agent processes (default 2)")
+        p.add_argument("--capacity", type=common.positive_int, default=4, help="capacity of each agent (default 4)")
         p.add_argument("--compare", choices=["pgqueuer"], default=None,
                        help="also run this peer on the same database and schedule")
-        p.add_argument("--pgq-batch", type=positive_int, default=10,
+        p.add_argument("--pgq-batch", type=common.positive_int, default=10,
                        help="pgqueuer dequeue batch_size (default 10, its default)")
 
-    async def body(t: Target, a: argparse.Namespace) -> dict[str, Any]:
+    async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
         return await run(t.dsn, a.rate, a.seconds, a.agents, a.capacity, a.compare, a.pgq_batch)
 
-    declare(sub, "latency", "insert -> handler start latency (p50/p90/p99/max ms) with idle agents",
+    common.declare(sub, "latency", "insert -> handler start latency (p50/p90/p99/max ms) with idle agents",
             __doc__, args, body, report)
 
 
@@ -67,7 +54,7 @@ async def run(dsn: str, rate: float, seconds: float, agents: int = 2, capacity: 
                               "agents": agents, "capacity": capacity}
     result.update({f"gpuq_{k}": v for k, v in gpuq.items()})
     if compare == "pgqueuer":
-        progress(f"pgqueuer {peer_pgqueuer.version()}: {n} jobs at {rate}/s, batch {pgq_batch}")
+        common.progress(f"pgqueuer {peer_pgqueuer.version()}: {n} jobs at {rate}/s, batch {pgq_batch}")
         peer = await peer_pgqueuer.latency(dsn, rate, seconds, batch_size=pgq_batch)
         result.update({f"pgqueuer_{k}": peer[k] for k in STATS})
         result["pgqueuer_version"] = peer_pgqueuer.version()
@@ -78,8 +65,8 @@ async def run(dsn: str, rate: float, seconds: float, agents: int = 2, capacity: 
 
 async def run_gpuq(dsn: str, rate: float, n: int, agents: int,
                    capacity: int) -> tuple[dict[str, float], dict[str, str]]:
-    async with fleet_on(dsn) as (fleet, conn, settings):
-        progress(f"starting gpuq serve on 127.0.0.1:{fleet.port} and {agents} idle agents "
+    async with common.fleet_on(dsn) as (fleet, conn, settings):
+        common.progress(f"starting gpuq serve on 127.0.0.1:{fleet.port} and {agents} idle agents "
                  f"(capacity {capacity}); logs in {fleet.logdir}")
         await anyio.to_thread.run_sync(fleet.start_serve)
         await anyio.to_thread.run_sync(fleet.start_agents, agents, capacity, "gpuq.bench.handlers:latency")
@@ -87,13 +74,13 @@ async def run_gpuq(dsn: str, rate: float, n: int, agents: int,
         await queue.enqueue_many(conn, [NewJob(KIND, {"t": time.time(), "warmup": True})])
         await _done(conn, fleet, 1, 30)
         await anyio.sleep(0.2)
-        progress(f"inserting {n} jobs one per statement at {rate}/s")
+        common.progress(f"inserting {n} jobs one per statement at {rate}/s")
         t0 = time.perf_counter()
         for i in range(n):
             await anyio.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
             await queue.enqueue_many(conn, [NewJob(KIND, {"t": time.time()})])
         await _done(conn, fleet, n + 1, 60)
-        lat = [float(r["ms"]) for r in await conn.fetch(queries["latencies"])]
+        lat = [float(r["ms"]) for r in await conn.fetch(common.queries["latencies"])]
     if len(lat) != n:
         raise RuntimeError(f"gpuq: {len(lat)} latencies recorded, expected {n}")
     return percentiles(lat), settings
@@ -101,21 +88,21 @@ async def run_gpuq(dsn: str, rate: float, n: int, agents: int,
 
 async def _done(conn: Any, fleet: Fleet, n: int, timeout: float) -> None:
     async def reached() -> bool:
-        return bool(await conn.fetchval(queries["count_done"]) >= n)
+        return bool(await conn.fetchval(common.queries["count_done"]) >= n)
 
-    await wait_until(reached, fleet, timeout, f"{n} jobs done")
+    await common.wait_until(reached, fleet, timeout, f"{n} jobs done")
 
 
 def report(r: dict[str, Any]) -> None:
-    print_settings(r["postgres"])
+    common.print_settings(r["postgres"])
     rows = [[f"gpuq ({r['agents']} agents x {r['capacity']})", *(r[f"gpuq_{k}"] for k in STATS)]]
     if "pgqueuer_p50_ms" in r:
         rows.append([f"pgqueuer {r['pgqueuer_version']} (batch {r['pgqueuer_batch_size']})",
                      *(r[f"pgqueuer_{k}"] for k in STATS)])
-    print_table(["system", "p50 ms", "p90 ms", "p99 ms", "max ms"], rows,
+    common.print_table(["system", "p50 ms", "p90 ms", "p99 ms", "max ms"], rows,
                 title=f"latency insert -> handler start: {r['jobs']} jobs at {r['rate']}/s, "
                       "one per INSERT, idle consumers")
 
 
 if __name__ == "__main__":
-    raise SystemExit(standalone("latency"))
+    raise SystemExit(common.standalone("latency"))

@@ -20,7 +20,7 @@ same rows from the same state):
   bench pins the naive plan with ``SET LOCAL enable_sort = off`` and also
   reports the planner's own choice on fresh statistics (``naive_planner_*``).
 
-Figures: median wall ms over ``--repeat`` runs (a query slower than
+Figures: common.median wall ms over ``--repeat`` runs (a query slower than
 ``--budget`` seconds in all stops early, after at least 5 runs), and the
 shared buffers (hit + read) that one ``EXPLAIN (ANALYZE, BUFFERS)`` execution
 touched.
@@ -34,50 +34,37 @@ from pathlib import Path
 from typing import Any
 
 from gpuq import plans, queue
-from gpuq.bench.common import (
-    Target,
-    declare,
-    median,
-    parse_int_list,
-    positive_int,
-    print_settings,
-    print_table,
-    progress,
-    queries,
-    reset_gpuq_schema,
-    server_settings,
-    standalone,
-)
+from gpuq.bench import common
 from gpuq.db import connect
 
 KIND = "train"
 PENDING = 1_000
-CHUNK = 500_000  # done rows per INSERT statement (progress granularity)
+CHUNK = 500_000  # done rows per INSERT statement (common.progress granularity)
 LEASE_SECONDS = 30.0
 GPUQ, NAIVE, NAIVE_PLANNER = "gpuq", "naive", "naive_planner"
 
 
 def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--done", type=parse_int_list, default=[0, 1_000_000, 5_000_000],
+        p.add_argument("--done", type=common.parse_int_list, default=[0, 1_000_000, 5_000_000],
                        help="comma-separated history sizes (done rows), default 0,1000000,5000000")
-        p.add_argument("--batch", type=positive_int, default=32, help="jobs per lease (default 32)")
-        p.add_argument("--repeat", type=positive_int, default=50,
+        p.add_argument("--batch", type=common.positive_int, default=32, help="jobs per lease (default 32)")
+        p.add_argument("--repeat", type=common.positive_int, default=50,
                        help="timed leases per size and query (default 50); the median is reported")
         p.add_argument("--budget", type=float, default=10.0,
                        help="seconds of timed runs per query and size before stopping early "
                             "(after at least 5 runs; default 10)")
         p.add_argument("--plot", default=None, metavar="PATH", help="also write a PNG plot here")
 
-    async def body(t: Target, a: argparse.Namespace) -> dict[str, Any]:
+    async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
         result = await run(t.dsn, a.done, a.batch, a.repeat, a.budget)
         if a.plot:
             Path(a.plot).parent.mkdir(parents=True, exist_ok=True)
             plot(result, a.plot)
-            progress(f"plot written to {a.plot}")
+            common.progress(f"plot written to {a.plot}")
         return result
 
-    declare(sub, "lease-history", "lease cost (ms, shared buffers) vs done-history size: gpuq vs the naive query",
+    common.declare(sub, "lease-history", "lease cost (ms, shared buffers) vs done-history size: gpuq vs the naive query",
             __doc__, args, body, report)
 
 
@@ -86,24 +73,24 @@ async def run(dsn: str, done_sizes: list[int], batch: int, repeat: int,
     rows = []
     settings: dict[str, str] = {}
     for done in sorted(set(done_sizes)):
-        await reset_gpuq_schema(dsn)
+        await common.reset_gpuq_schema(dsn)
         conn = await connect(dsn)
         try:
-            settings = await server_settings(conn)
+            settings = await common.server_settings(conn)
             build_s = await _build(conn, done)
-            progress(f"done={done:,}: measuring gpuq and naive leases ({repeat} runs each)")
+            common.progress(f"done={done:,}: measuring gpuq and naive leases ({repeat} runs each)")
             row: dict[str, Any] = {"done": done}
             for variant in (GPUQ, NAIVE, NAIVE_PLANNER):
                 plan, times = await _measure(conn, batch, repeat, budget, variant)
                 row[f"{variant}_buffers"] = plans.plan_buffers(plan)
-                row[f"{variant}_ms"] = round(median(times), 3)
+                row[f"{variant}_ms"] = round(common.median(times), 3)
                 row[f"{variant}_runs"] = len(times)
                 row[f"{variant}_scans"] = sorted(plans.plan_indexes(plan))
                 if variant == GPUQ:
                     row["gpuq_pick_buffers"] = plans.plan_buffers(plan, reads_only=True)
             row["build_s"] = round(build_s, 1)
             rows.append(row)
-            await conn.execute(queries["naive_drop"])
+            await conn.execute(common.queries["naive_drop"])
         finally:
             await conn.close()
 
@@ -125,23 +112,23 @@ async def run(dsn: str, done_sizes: list[int], batch: int, repeat: int,
 
 async def _build(conn: Any, done: int) -> float:
     t0 = time.perf_counter()
-    await conn.execute(queries["trigger_off"])
+    await conn.execute(common.queries["trigger_off"])
     try:
         for lo in range(1, done + 1, CHUNK):
             hi = min(done, lo + CHUNK - 1)
-            await conn.execute(queries["insert_done"], lo, hi)
-            progress(f"done={done:,}: inserted {hi:,} done rows ({time.perf_counter() - t0:.1f}s)")
+            await conn.execute(common.queries["insert_done"], lo, hi)
+            common.progress(f"done={done:,}: inserted {hi:,} done rows ({time.perf_counter() - t0:.1f}s)")
     finally:
-        await conn.execute(queries["trigger_on"])
-    await conn.execute(queries["insert_pending"], KIND, PENDING)
-    progress(f"done={done:,}: copying into gpuq_naive.jobs")
-    await conn.execute(queries["naive_drop"])
-    await conn.execute(queries["naive_create"])
-    progress(f"done={done:,}: VACUUM ANALYZE")
-    await conn.execute(queries["vacuum_jobs"])
-    await conn.execute(queries["vacuum_naive"])
+        await conn.execute(common.queries["trigger_on"])
+    await conn.execute(common.queries["insert_pending"], KIND, PENDING)
+    common.progress(f"done={done:,}: copying into gpuq_naive.jobs")
+    await conn.execute(common.queries["naive_drop"])
+    await conn.execute(common.queries["naive_create"])
+    common.progress(f"done={done:,}: VACUUM ANALYZE")
+    await conn.execute(common.queries["vacuum_jobs"])
+    await conn.execute(common.queries["vacuum_naive"])
     elapsed = time.perf_counter() - t0
-    progress(f"done={done:,}: tables ready in {elapsed:.1f}s")
+    common.progress(f"done={done:,}: tables ready in {elapsed:.1f}s")
     return elapsed
 
 
@@ -152,7 +139,7 @@ async def _measure(conn: Any, batch: int, repeat: int, budget: float,
 
     async def lease_once() -> int:
         if naive:
-            rows = await conn.fetch(queries["naive_lease"], batch, "bench#naive", LEASE_SECONDS)
+            rows = await conn.fetch(common.queries["naive_lease"], batch, "bench#naive", LEASE_SECONDS)
             return len(rows)
         return len((await queue.lease(conn, [KIND], batch, "bench#gpuq", LEASE_SECONDS)).jobs)
 
@@ -161,9 +148,9 @@ async def _measure(conn: Any, batch: int, repeat: int, budget: float,
         await tx.start()
         try:
             if naive:
-                await conn.execute(queries["planner_defaults"])
+                await conn.execute(common.queries["planner_defaults"])
             if variant == NAIVE:
-                await conn.execute(queries["pin_pk_walk"])
+                await conn.execute(common.queries["pin_pk_walk"])
             t0 = time.perf_counter()
             out = await fn()
             return out, (time.perf_counter() - t0) * 1000
@@ -176,7 +163,7 @@ async def _measure(conn: Any, batch: int, repeat: int, budget: float,
             raise RuntimeError(f"{variant} lease returned {got} rows, "
                                f"expected {min(batch, PENDING)}")
     if naive:  # plans.explain in the transaction that holds the planner settings
-        plan, _ms = await rolled_back(lambda: plans.explain(conn, queries["naive_lease"], batch, "explain",
+        plan, _ms = await rolled_back(lambda: plans.explain(conn, common.queries["naive_lease"], batch, "explain",
                                                             LEASE_SECONDS))
     else:  # its own rolled-back transaction
         plan = await plans.explain_lease(conn, [KIND], batch)
@@ -191,20 +178,20 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 def report(result: dict[str, Any]) -> None:
-    print_settings(result["postgres"])
+    common.print_settings(result["postgres"])
     print(f"lease-history: lease {result['batch']} of {result['pending']:,} pending rows behind "
           f"N done rows; ms = median of up to {result['repeat']} rolled-back runs; buffers = "
           "shared hit+read of one EXPLAIN ANALYZE run")
     print("  naive = the primary-key walk plan; naive planner = PostgreSQL's own "
           "choice on fresh statistics")
     print()
-    print_table(
+    common.print_table(
         ["done rows", "gpuq buffers", "gpuq ms", "naive buffers", "naive ms",
          "naive planner buffers", "naive planner ms"],
         [[r["done"], r["gpuq_buffers"], r["gpuq_ms"], r["naive_buffers"], r["naive_ms"],
           r["naive_planner_buffers"], r["naive_planner_ms"]] for r in result["rows"]],
     )
-    print_table(["done rows", "gpuq scans", "naive scans", "naive planner scans"],
+    common.print_table(["done rows", "gpuq scans", "naive scans", "naive planner scans"],
                 [[r["done"], ",".join(r["gpuq_scans"]), ",".join(r["naive_scans"]),
                   ",".join(r["naive_planner_scans"])] for r in result["rows"]])
     print(f"gpuq buffer ratio (largest/smallest history): {result['gpuq_buffer_ratio']}")
@@ -244,4 +231,4 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(standalone("lease-history"))
+    raise SystemExit(common.standalone("lease-history"))

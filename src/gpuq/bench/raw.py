@@ -15,18 +15,7 @@ from typing import Any
 import anyio
 
 from gpuq import queue
-from gpuq.bench.common import (
-    Target,
-    declare,
-    positive_int,
-    print_settings,
-    print_table,
-    progress,
-    queries,
-    reset_gpuq_schema,
-    server_settings,
-    standalone,
-)
+from gpuq.bench import common
 from gpuq.db import connect
 from gpuq.harness import KIND
 
@@ -35,20 +24,20 @@ LEASE_SECONDS = 300.0
 
 def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--jobs", type=positive_int, default=100_000, help="jobs to run (default 100000)")
-        p.add_argument("--batch", type=positive_int, default=64, help="jobs per lease (default 64)")
-        p.add_argument("--workers", type=positive_int, default=2,
+        p.add_argument("--jobs", type=common.positive_int, default=100_000, help="jobs to run (default 100000)")
+        p.add_argument("--batch", type=common.positive_int, default=64, help="jobs per lease (default 64)")
+        p.add_argument("--workers", type=common.positive_int, default=2,
                        help="concurrent lease/complete loops, one connection each (default 2)")
 
-    async def body(t: Target, a: argparse.Namespace) -> dict[str, Any]:
+    async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
         return await run(t.dsn, a.jobs, a.batch, a.workers)
 
-    declare(sub, "raw", "jobs/s of the lease + complete SQL alone (the ceiling for serve + agents)",
+    common.declare(sub, "raw", "jobs/s of the lease + complete SQL alone (the ceiling for serve + agents)",
             __doc__, args, body, report)
 
 
 async def run(dsn: str, jobs: int, batch: int, workers: int) -> dict[str, Any]:
-    await reset_gpuq_schema(dsn)
+    await common.reset_gpuq_schema(dsn)
     conns = [await connect(dsn) for _ in range(workers)]
     done, leases = [0] * workers, [0] * workers
 
@@ -58,18 +47,18 @@ async def run(dsn: str, jobs: int, batch: int, workers: int) -> dict[str, Any]:
             done[i] += len(await queue.complete_many(conns[i], [(j.id, j.lease_token, None) for j in got]))
 
     try:
-        settings = await server_settings(conns[0])
+        settings = await common.server_settings(conns[0])
         t0 = time.perf_counter()
-        await conns[0].execute(queries["insert_pending"], KIND, jobs)
+        await conns[0].execute(common.queries["insert_pending"], KIND, jobs)
         insert_s = time.perf_counter() - t0
-        await conns[0].execute(queries["vacuum_jobs"])
-        progress(f"inserted {jobs:,} pending jobs in {insert_s:.2f}s; running {workers} workers")
+        await conns[0].execute(common.queries["vacuum_jobs"])
+        common.progress(f"inserted {jobs:,} pending jobs in {insert_s:.2f}s; running {workers} workers")
         start = time.perf_counter()
         async with anyio.create_task_group() as tg:
             for i in range(workers):
                 tg.start_soon(worker, i)
         elapsed = time.perf_counter() - start
-        committed = await conns[0].fetchval(queries["count_done"])
+        committed = await conns[0].fetchval(common.queries["count_done"])
     finally:
         for c in conns:
             await c.close()
@@ -81,11 +70,11 @@ async def run(dsn: str, jobs: int, batch: int, workers: int) -> dict[str, Any]:
 
 
 def report(r: dict[str, Any]) -> None:
-    print_settings(r["postgres"])
-    print_table(["jobs", "batch", "workers", "insert s", "consume s", "jobs/s"],
+    common.print_settings(r["postgres"])
+    common.print_table(["jobs", "batch", "workers", "insert s", "consume s", "jobs/s"],
                 [[r["jobs"], r["batch"], r["workers"], r["insert_s"], r["elapsed_s"], r["raw_jobs_per_s"]]],
                 title="raw: lease + complete_many over asyncpg, no websockets")
 
 
 if __name__ == "__main__":
-    raise SystemExit(standalone("raw"))
+    raise SystemExit(common.standalone("raw"))

@@ -21,16 +21,7 @@ from typing import Any
 import anyio
 import asyncpg
 
-from gpuq.bench.common import (
-    Target,
-    declare,
-    positive_int,
-    print_pairs,
-    progress,
-    queries,
-    reset_gpuq_schema,
-    standalone,
-)
+from gpuq.bench import common
 from gpuq.bench.measure import count_errors, rss_mb
 from gpuq.harness import KIND, Fleet
 
@@ -50,7 +41,7 @@ class SoakConfig:
 
 async def run_soak(dsn: str, cfg: SoakConfig) -> dict[str, Any]:
     """One soak on ``dsn`` (its gpuq schema is dropped and recreated)."""
-    await reset_gpuq_schema(dsn)
+    await common.reset_gpuq_schema(dsn)
     fleet = Fleet(dsn)
     out: dict[str, Any] = {}
     try:
@@ -58,7 +49,7 @@ async def run_soak(dsn: str, cfg: SoakConfig) -> dict[str, Any]:
         assert fleet.serve is not None
         pid = fleet.serve.popen.pid
         await anyio.to_thread.run_sync(fleet.start_agents, cfg.agents, cfg.capacity, "gpuq.bench.handlers:work")
-        progress(f"soak: serve pid {pid} on port {fleet.port}, {cfg.agents} agents; "
+        common.progress(f"soak: serve pid {pid} on port {fleet.port}, {cfg.agents} agents; "
                  f"{cfg.rate:g} jobs/s for {cfg.seconds:g}s")
         samples: list[tuple[float, float]] = []  # (seconds since start, RSS MB)
         inserted = 0
@@ -68,20 +59,20 @@ async def run_soak(dsn: str, cfg: SoakConfig) -> dict[str, Any]:
             while (now := time.monotonic()) - t0 < cfg.seconds:
                 fleet.check()
                 if (due := int((now - t0) * cfg.rate) - inserted) > 0:
-                    await conn.execute(queries["insert_pending"], KIND, due)
+                    await conn.execute(common.queries["insert_pending"], KIND, due)
                     inserted += due
                 if now >= next_sample:
                     samples.append((now - t0, rss_mb(pid)))
                     next_sample += cfg.sample_seconds
                 if now - shown >= 30:
                     shown = now
-                    progress(f"soak: t={now - t0:.0f}s inserted {inserted} rss {samples[-1][1]:.1f} MB")
+                    common.progress(f"soak: t={now - t0:.0f}s inserted {inserted} rss {samples[-1][1]:.1f} MB")
                 await anyio.sleep(0.1)
             samples.append((time.monotonic() - t0, rss_mb(pid)))
             with anyio.move_on_after(30):  # let the tail of the work finish (not measured)
-                while await conn.fetchval(queries["count_live"]):
+                while await conn.fetchval(common.queries["count_live"]):
                     await anyio.sleep(0.2)
-            totals = await conn.fetchrow(queries["totals"])
+            totals = await conn.fetchrow(common.queries["totals"])
         finally:
             await conn.close()
         await anyio.to_thread.run_sync(fleet.stop)
@@ -104,7 +95,7 @@ async def run_soak(dsn: str, cfg: SoakConfig) -> dict[str, Any]:
         if out and not failed(out) and not cfg.keep_logs:
             shutil.rmtree(fleet.logdir, ignore_errors=True)
         else:
-            progress(f"soak: process logs kept in {fleet.logdir}")
+            common.progress(f"soak: process logs kept in {fleet.logdir}")
 
 
 def failed(out: dict[str, Any]) -> list[str]:
@@ -119,7 +110,7 @@ def failed(out: dict[str, Any]) -> list[str]:
 
 
 def report(out: dict[str, Any]) -> None:
-    print_pairs(f"gpuq soak: {out['seconds']:g}s at {out['rate']:g} jobs/s, {out['agents']} agents", [
+    common.print_pairs(f"gpuq soak: {out['seconds']:g}s at {out['rate']:g} jobs/s, {out['agents']} agents", [
         ("jobs inserted", out["inserted"]), ("jobs done", out["done"]), ("jobs dead", out["dead"]),
         ("serve RSS warm MB", f"{out['rss_warm_mb']:.1f} (t={out['rss_warm_at']:g}s)"),
         ("serve RSS end MB", out["rss_end_mb"]),
@@ -133,22 +124,22 @@ def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--seconds", type=float, default=600.0, help="length of the soak (default 600)")
         p.add_argument("--rate", type=float, default=300.0, help="jobs inserted per second (default 300)")
-        p.add_argument("--agents", type=positive_int, default=4, help="agent processes (default 4)")
-        p.add_argument("--capacity", type=positive_int, default=8, help="capacity of each agent (default 8)")
+        p.add_argument("--agents", type=common.positive_int, default=4, help="agent processes (default 4)")
+        p.add_argument("--capacity", type=common.positive_int, default=8, help="capacity of each agent (default 8)")
         p.add_argument("--sample-seconds", type=float, default=2.0, help="RSS sampling interval (default 2)")
         p.add_argument("--max-ratio", type=float, default=1.2,
                        help="fail if RSS at the end exceeds this multiple of the warm RSS (default 1.2)")
         p.add_argument("--keep-logs", action="store_true", help="keep process logs even on success")
 
-    async def body(t: Target, a: argparse.Namespace) -> dict[str, Any]:
+    async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
         return await run_soak(t.dsn, SoakConfig(a.seconds, a.rate, a.agents, a.capacity, a.sample_seconds,
                                                 a.max_ratio, a.keep_logs))
 
-    declare(sub, "soak", "steady load for minutes: serve's RSS levels off, no ERROR logged", __doc__, args,
+    common.declare(sub, "soak", "steady load for minutes: serve's RSS levels off, no ERROR logged", __doc__, args,
             body, report, failed,
             summary=lambda out: {"bench": "soak", **{k: v for k, v in out.items()
                                                       if k not in ("error_examples", "logdir")}})
 
 
 if __name__ == "__main__":
-    raise SystemExit(standalone("soak"))
+    raise SystemExit(common.standalone("soak"))

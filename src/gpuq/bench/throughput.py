@@ -23,19 +23,7 @@ from typing import Any
 import anyio
 
 from gpuq import queue
-from gpuq.bench import peer_pgqueuer, raw
-from gpuq.bench.common import (
-    Target,
-    declare,
-    fleet_on,
-    positive_int,
-    print_settings,
-    print_table,
-    progress,
-    queries,
-    standalone,
-    wait_until,
-)
+from gpuq.bench import common, peer_pgqueuer, raw
 from gpuq.bench.measure import CpuMeter, postmaster_pid
 from gpuq.harness import KIND, Fleet
 from gpuq.queue import NewJob
@@ -45,29 +33,29 @@ CHUNKS = {"bulk": 10_000, "stream": 100}
 
 def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--jobs", type=positive_int, default=100_000, help="jobs (default 100000)")
-        p.add_argument("--agents", type=positive_int, default=4, help="agent processes (default 4)")
-        p.add_argument("--capacity", type=positive_int, default=64, help="capacity of each agent (default 64)")
+        p.add_argument("--jobs", type=common.positive_int, default=100_000, help="jobs (default 100000)")
+        p.add_argument("--agents", type=common.positive_int, default=4, help="agent processes (default 4)")
+        p.add_argument("--capacity", type=common.positive_int, default=64, help="capacity of each agent (default 64)")
         p.add_argument("--mode", choices=sorted(CHUNKS), default="bulk",
                        help="bulk: insert 10,000 a statement up front; stream: 100 a statement "
                             "while consuming (default bulk)")
         p.add_argument("--compare", choices=["pgqueuer"], default=None,
                        help="also run this peer on the same database and job count")
-        p.add_argument("--pgq-batch", type=positive_int, default=128,
+        p.add_argument("--pgq-batch", type=common.positive_int, default=128,
                        help="pgqueuer dequeue batch_size (default 128: its best in our sweep; "
                             "its benchmark default is 10)")
-        p.add_argument("--pgq-workers", type=positive_int, default=2,
+        p.add_argument("--pgq-workers", type=common.positive_int, default=2,
                        help="pgqueuer QueueManagers per process, one connection each (default 2)")
-        p.add_argument("--pgq-processes", type=positive_int, default=1,
+        p.add_argument("--pgq-processes", type=common.positive_int, default=1,
                        help="pgqueuer consumer processes (default 1)")
         p.add_argument("--no-raw", action="store_true", help="skip the raw ceiling run")
 
-    async def body(t: Target, a: argparse.Namespace) -> dict[str, Any]:
+    async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
         return await run(t.dsn, a.jobs, a.agents, a.capacity, a.mode, a.compare,
                          pgq=dict(batch_size=a.pgq_batch, workers=a.pgq_workers, processes=a.pgq_processes),
                          with_raw=not a.no_raw)
 
-    declare(sub, "throughput", "end-to-end jobs/s through serve + agent processes (optionally vs pgqueuer)",
+    common.declare(sub, "throughput", "end-to-end jobs/s through serve + agent processes (optionally vs pgqueuer)",
             __doc__, args, body, report)
 
 
@@ -83,13 +71,13 @@ async def run(dsn: str, jobs: int, agents: int, capacity: int, mode: str = "bulk
         "postgres_cpu_s": gpuq["postgres_cpu_s"], "agents_used": gpuq["agents_used"],
     }
     if with_raw:
-        progress(f"raw ceiling: {jobs:,} jobs, batch {capacity}, 2 workers")
+        common.progress(f"raw ceiling: {jobs:,} jobs, batch {capacity}, 2 workers")
         r = await raw.run(dsn, jobs, capacity, 2)
         result["raw_jobs_per_s"] = r["raw_jobs_per_s"]
         result["fraction_of_raw"] = round(gpuq["jobs_per_s"] / r["raw_jobs_per_s"], 3)
     if compare == "pgqueuer":
         settings = dict(pgq or {})
-        progress(f"pgqueuer {peer_pgqueuer.version()}: {jobs:,} jobs, {settings}")
+        common.progress(f"pgqueuer {peer_pgqueuer.version()}: {jobs:,} jobs, {settings}")
         peer = await peer_pgqueuer.end_to_end(dsn, jobs, chunk=chunk, pg_pid=gpuq["pg_pid"], **settings)
         result.update({
             "pgqueuer_jobs_per_s": peer["jobs_per_s"], "pgqueuer_seconds": peer["seconds"],
@@ -103,19 +91,19 @@ async def run(dsn: str, jobs: int, agents: int, capacity: int, mode: str = "bulk
 
 
 async def run_gpuq(dsn: str, jobs: int, agents: int, capacity: int, chunk: int) -> dict[str, Any]:
-    async with fleet_on(dsn) as (fleet, conn, settings):
+    async with common.fleet_on(dsn) as (fleet, conn, settings):
         pg_pid = await postmaster_pid(conn)
-        progress(f"starting gpuq serve on 127.0.0.1:{fleet.port} and {agents} agents "
+        common.progress(f"starting gpuq serve on 127.0.0.1:{fleet.port} and {agents} agents "
                  f"(capacity {capacity}); logs in {fleet.logdir}")
         await anyio.to_thread.run_sync(fleet.start_serve)
         await anyio.to_thread.run_sync(fleet.start_agents, agents, capacity)
         cpu = CpuMeter({**fleet.pids(), "postgres": [pg_pid] if pg_pid else []})
         cpu.start()
-        progress(f"inserting {jobs:,} jobs, {chunk:,} per statement")
+        common.progress(f"inserting {jobs:,} jobs, {chunk:,} per statement")
         await insert(conn, jobs, chunk)
         await drained(conn, fleet, timeout=900)
         used = cpu.stop()
-        row = await conn.fetchrow(queries["end_to_end"])
+        row = await conn.fetchrow(common.queries["end_to_end"])
     if row["done"] != jobs:
         raise RuntimeError(f"gpuq: {row['done']} jobs done ({row['dead']} dead), expected {jobs}")
     seconds = float(row["seconds"])
@@ -133,16 +121,16 @@ async def insert(conn: Any, jobs: int, chunk: int) -> None:
 async def drained(conn: Any, fleet: Fleet, timeout: float) -> None:
     """Wait until no job is live, while the fleet lives."""
     async def empty() -> bool:
-        return not await conn.fetchval(queries["any_live"])
+        return not await conn.fetchval(common.queries["any_live"])
 
     async def left() -> str:
-        return f"{await conn.fetchval(queries['count_live']):,} jobs still live"
+        return f"{await conn.fetchval(common.queries['count_live']):,} jobs still live"
 
-    await wait_until(empty, fleet, timeout, "the queue to drain", left)
+    await common.wait_until(empty, fleet, timeout, "the queue to drain", left)
 
 
 def report(r: dict[str, Any]) -> None:
-    print_settings(r["postgres"])
+    common.print_settings(r["postgres"])
     rows = [["gpuq (serve + agents)", r["gpuq_jobs_per_s"], r["gpuq_seconds"],
              f"serve {r['serve_cpu_s']}, agents {r['agents_cpu_s']}", r["postgres_cpu_s"]]]
     if "pgqueuer_jobs_per_s" in r:
@@ -150,7 +138,7 @@ def report(r: dict[str, Any]) -> None:
                      r["pgqueuer_seconds"], f"consumers {r['pgqueuer_cpu_s']}", r["pgqueuer_postgres_cpu_s"]])
     if "raw_jobs_per_s" in r:
         rows.append(["raw lease+complete SQL", r["raw_jobs_per_s"], "", "", ""])
-    print_table(["system", "jobs/s", "end-to-end s", "client CPU s", "postgres CPU s"], rows,
+    common.print_table(["system", "jobs/s", "end-to-end s", "client CPU s", "postgres CPU s"], rows,
                 title=f"throughput: {r['jobs']:,} jobs, {r['agents']} agents x capacity "
                       f"{r['capacity']}, {r['mode']} insert, no-op handler")
     for key, label in (("ratio", "gpuq / pgqueuer"), ("fraction_of_raw", "gpuq / raw")):
@@ -159,4 +147,4 @@ def report(r: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(standalone("throughput"))
+    raise SystemExit(common.standalone("throughput"))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 
@@ -25,17 +25,9 @@ from gpuq.loops import run_every
 from gpuq.maintenance.promote import PromoteDue
 from gpuq.maintenance.prune import PruneHistory
 from gpuq.maintenance.reclaim import ReclaimExpired
+from gpuq.maintenance.service import INTERVAL_SECONDS, Service
 
 log = logs.get("sweeper")
-
-INTERVAL_SECONDS = 2.0  # how often each service runs, unless told otherwise
-
-
-class Service(Protocol):
-    name: str
-    interval_seconds: float
-
-    async def run_once(self) -> dict[str, int]: ...
 
 
 class Maintainer:

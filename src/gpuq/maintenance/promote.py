@@ -2,32 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar
 
 from gpuq import logs, metrics, queue
+from gpuq.maintenance.service import Batched
 
 log = logs.get("sweeper")
 
-BATCH = 1000  # rows per statement
-MAX_BATCHES = 10  # statements per run
 
-
-@dataclass
-class PromoteDue:
-    db: Any
-    interval_seconds: float = 2.0
-    batch: int = BATCH
-    max_batches: int = MAX_BATCHES
-    name: str = "promote_due"
+class PromoteDue(Batched):
+    name: ClassVar[str] = "promote_due"
 
     async def run_once(self) -> dict[str, int]:
-        promoted = 0
-        for _ in range(self.max_batches):
-            moved = await queue.promote_due(self.db, self.batch)
-            promoted += len(moved.pending)
-            if len(moved.pending) < self.batch:
-                break
+        promoted = sum(len(m.pending) for m in await self.batches(queue.promote_due, lambda m: len(m.pending)))
         metrics.SWEEP_PROMOTED.inc(promoted)
         if promoted:
             log.info("sweeper.promoted", count=promoted)

@@ -8,24 +8,24 @@ so each statement examines at most ``window`` ids whatever the table size.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from gpuq import logs, metrics, queue
+from gpuq.maintenance.service import INTERVAL_SECONDS, MAX_BATCHES
 
 log = logs.get("sweeper")
 
 WINDOW = 5000  # ids examined per statement
-MAX_BATCHES = 10  # statements per run
 
 
 @dataclass
 class PruneHistory:
     db: Any
     retention_seconds: float
-    interval_seconds: float = 2.0
+    interval_seconds: float = INTERVAL_SECONDS
     window: int = WINDOW
     max_batches: int = MAX_BATCHES
-    name: str = "prune_history"
+    name: ClassVar[str] = "prune_history"
     _cursor: int | None = None  # next id to examine; None = start from the oldest
 
     async def run_once(self) -> dict[str, int]:

@@ -2,35 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar
 
 from gpuq import logs, metrics, queue
+from gpuq.maintenance.service import Batched
 
 log = logs.get("sweeper")
 
-BATCH = 1000  # rows per statement
-MAX_BATCHES = 10  # statements per run (bounds one run's work)
 
-
-@dataclass
-class ReclaimExpired:
-    db: Any
-    interval_seconds: float = 2.0
-    batch: int = BATCH
-    max_batches: int = MAX_BATCHES
-    name: str = "reclaim_expired"
+class ReclaimExpired(Batched):
+    name: ClassVar[str] = "reclaim_expired"
 
     async def run_once(self) -> dict[str, int]:
-        """Up to ``max_batches`` statements; a job out of attempts goes dead instead."""
-        pending: list[int] = []
-        dead: list[int] = []
-        for _ in range(self.max_batches):
-            moved = await queue.reclaim_expired(self.db, self.batch)
-            pending += moved.pending
-            dead += moved.dead
-            if len(moved.pending) + len(moved.dead) < self.batch:
-                break
+        """A job out of attempts goes dead instead."""
+        moved = await self.batches(queue.reclaim_expired, lambda m: len(m.pending) + len(m.dead))
+        pending = [i for m in moved for i in m.pending]
+        dead = [i for m in moved for i in m.dead]
         metrics.SWEEP_RECLAIMED.inc(len(pending))
         metrics.SWEEP_DEAD.inc(len(dead))
         if pending:

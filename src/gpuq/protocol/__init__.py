@@ -9,49 +9,8 @@
 here imports the database side.
 """
 
-from gpuq.protocol.codes import (
-    MAX_CAPACITY,
-    MAX_ERROR_TEXT,
-    MAX_HEARTBEAT_IDS,
-    MAX_JOB_ID,
-    MAX_KINDS,
-    MAX_RESULTS,
-    PROTOCOL_VERSION,
-    CloseCode,
-    ErrorCode,
-    ProtocolError,
-)
-from gpuq.protocol.messages import (
-    AGENT_NAME,
-    RESULTS_OVERHEAD,
-    Ack,
-    ClientMessage,
-    Done,
-    Drain,
-    Error,
-    Failed,
-    Heartbeat,
-    Hello,
-    JobMessage,
-    Jobs,
-    Results,
-    ServerDrain,
-    ServerMessage,
-    Welcome,
-    contains_nul,
-    encode,
-    encode_done,
-    job_message,
-    jobs_frame,
-    pack_results,
-    parse_client,
-    parse_server,
-)
+from gpuq.protocol import codes, messages
+from gpuq.protocol.codes import *  # noqa: F403 - the package's names are its modules' __all__
+from gpuq.protocol.messages import *  # noqa: F403
 
-__all__ = [
-    "AGENT_NAME", "MAX_CAPACITY", "MAX_ERROR_TEXT", "MAX_HEARTBEAT_IDS", "MAX_JOB_ID", "MAX_KINDS",
-    "MAX_RESULTS", "PROTOCOL_VERSION", "RESULTS_OVERHEAD", "Ack", "ClientMessage", "CloseCode", "Done",
-    "Drain", "Error", "ErrorCode", "Failed", "Heartbeat", "Hello", "JobMessage", "Jobs", "ProtocolError",
-    "Results", "ServerDrain", "ServerMessage", "Welcome", "contains_nul", "encode", "encode_done",
-    "job_message", "jobs_frame", "pack_results", "parse_client", "parse_server",
-]
+__all__ = [*codes.__all__, *messages.__all__]

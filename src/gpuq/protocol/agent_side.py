@@ -18,7 +18,6 @@ I/O layer (``gpuq.agent``) feeds frames to ``receive()`` and sends what
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -27,13 +26,12 @@ from gpuq.protocol.messages import (
     RESULTS_OVERHEAD,
     Ack,
     Drain,
-    Error,
     Failed,
     Heartbeat,
     Hello,
     JobMessage,
     Jobs,
-    ServerDrain,
+    ServerMessage,
     Welcome,
     contains_nul,
     encode,
@@ -48,36 +46,6 @@ class State(Enum):
     DISCONNECTED = "disconnected"
     AWAITING_WELCOME = "awaiting_welcome"
     OPEN = "open"
-
-
-@dataclass(frozen=True, slots=True)
-class Welcomed:
-    welcome: Welcome
-
-
-@dataclass(frozen=True, slots=True)
-class JobsReceived:
-    jobs: list[JobMessage]
-
-
-@dataclass(frozen=True, slots=True)
-class Acked:
-    accepted: tuple[int, ...]
-    rejected: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ServerDraining:
-    deadline_seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class ServerError:
-    code: str
-    message: str
-
-
-Event = Welcomed | JobsReceived | Acked | ServerDraining | ServerError
 
 
 class AgentProtocol:
@@ -107,7 +75,9 @@ class AgentProtocol:
     def connection_lost(self) -> None:
         self.state = State.DISCONNECTED
 
-    def receive(self, frame: str | bytes) -> Event:
+    def receive(self, frame: str | bytes) -> ServerMessage:
+        """Take one frame from the server; what it says is the event (``Welcome``, ``Jobs``,
+        ``Ack``, ``ServerDrain`` or ``Error``), its bookkeeping already done."""
         msg = parse_server(frame)
         if self.state is State.AWAITING_WELCOME:
             if not isinstance(msg, Welcome):
@@ -116,22 +86,17 @@ class AgentProtocol:
             self._outcomes = list(self.unacked.values())  # what the last connection did not see acked
             if self.draining:
                 self._control.append(encode(Drain()))
-            return Welcomed(msg)
+            return msg
+        if isinstance(msg, Welcome):
+            raise ProtocolError(ErrorCode.UNEXPECTED, f"a second welcome: {msg}")
         if isinstance(msg, Jobs):
-            jobs = list(msg.jobs)
-            for job in jobs:
+            for job in msg.jobs:
                 self.running[job.id] = job
-            return JobsReceived(jobs)
-        if isinstance(msg, Ack):
+        elif isinstance(msg, Ack):
             for i in (*msg.accepted, *msg.rejected):
                 self.unacked.pop(i, None)
             self.completed += len(msg.accepted)
-            return Acked(msg.accepted, msg.rejected)
-        if isinstance(msg, ServerDrain):
-            return ServerDraining(msg.deadline_seconds)
-        if isinstance(msg, Error):
-            return ServerError(msg.code, msg.message)
-        raise ProtocolError(ErrorCode.UNEXPECTED, f"a second welcome: {msg}")
+        return msg
 
     # -- outcomes ------------------------------------------------------------
 

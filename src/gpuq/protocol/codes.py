@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from enum import IntEnum, StrEnum
 
+__all__ = ["MAX_CAPACITY", "MAX_ERROR_TEXT", "MAX_HEARTBEAT_IDS", "MAX_JOB_ID", "MAX_KINDS", "MAX_RESULTS",
+           "PROTOCOL_VERSION", "CloseCode", "ErrorCode", "ProtocolError"]
+
 PROTOCOL_VERSION = 1
 
 MAX_KINDS = 64

@@ -30,6 +30,10 @@ from gpuq.protocol.codes import (
     ProtocolError,
 )
 
+__all__ = ["AGENT_NAME", "RESULTS_OVERHEAD", "Ack", "ClientMessage", "Done", "Drain", "Error", "Failed", "Heartbeat",
+           "Hello", "JobMessage", "Jobs", "Results", "ServerDrain", "ServerMessage", "Welcome", "contains_nul",
+           "encode", "encode_done", "job_message", "jobs_frame", "pack_results", "parse_client", "parse_server"]
+
 AGENT_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
 BAD_MESSAGE = ErrorCode.BAD_MESSAGE
 
