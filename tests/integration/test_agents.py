@@ -8,7 +8,7 @@ from websockets.asyncio.client import connect
 
 from gpuq.agent import Agent, AuthError, PermanentError
 from gpuq.harness import TOKEN, next_of, raw_agent, running_server
-from tests.helpers import status_of, wait_count, wait_status
+from tests.helpers import status_of, wait_count, wait_for, wait_status
 
 
 async def test_killed_agent_returns_its_job_at_once_and_a_late_done_is_fenced(dsn, pool):
@@ -76,12 +76,19 @@ async def test_heartbeats_keep_a_long_job_leased(dsn, pool):
         await release.wait()
         return "finished"
 
-    async with running_server(dsn, lease_seconds=2, heartbeat_seconds=0.3, sweep_seconds=0.2) as srv:
+    async with running_server(dsn, lease_seconds=3, heartbeat_seconds=0.3, sweep_seconds=0.2) as srv:
         await srv.agent(["embed"], 1, handle)
         jid = await pool.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('embed') RETURNING id")
-        await anyio.sleep(3.5)  # well past the 2 s lease: only heartbeats keep it
-        row = await pool.fetchrow("SELECT status::text, attempts FROM gpuq.jobs WHERE id = $1", jid)
-        assert row["status"] == "leased" and row["attempts"] == 1
+        await wait_status(pool, jid, "leased")
+        first = await pool.fetchval("SELECT lease_expires_at FROM gpuq.jobs WHERE id = $1", jid)
+
+        async def past_the_first_lease() -> bool:  # the database's clock, not a sleep
+            return bool(await pool.fetchval("SELECT now() > $1::timestamptz + interval '0.5 s'", first))
+
+        await wait_for(past_the_first_lease, timeout=15, interval=0.1)
+        row = await pool.fetchrow("SELECT status::text, attempts, lease_expires_at FROM gpuq.jobs WHERE id = $1", jid)
+        # Only heartbeats can have moved the expiry past the first lease's.
+        assert row["status"] == "leased" and row["attempts"] == 1 and row["lease_expires_at"] > first
         release.set()
         await wait_status(pool, jid, "done", timeout=5)
 
