@@ -139,8 +139,7 @@ class AgentServer:
                                hello_timeout=HELLO_TIMEOUT_SECONDS, max_errors=MAX_ERRORS_PER_CONNECTION)
         if not await self._hello(ws, proto):
             return
-        ready = anyio.Event()
-        wake: list[anyio.Event] = [ready]
+        wake = [anyio.Event()]  # the writer replaces it each time it wakes
 
         def flush() -> None:
             wake[0].set()
