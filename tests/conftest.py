@@ -23,6 +23,7 @@ import pytest
 
 from gpuq import db
 from gpuq.devdb import Cluster, DevDBError, throwaway_cluster
+from gpuq.devpooler import Bouncer
 from gpuq.migrate import migrate
 from gpuq.queue import NOTIFY_CHANNEL
 
@@ -120,3 +121,22 @@ async def notifications(dsn: str) -> AsyncIterator[Notifications]:
         yield n
     finally:
         await c.close()
+
+
+@pytest.fixture
+def bouncer(server_dsn: str) -> Iterator[Bouncer]:
+    """A real PgBouncer in transaction mode in front of the test server.
+
+    Without the binary the test is skipped with the package to install, except
+    under CI=true, where a missing pgbouncer is a failure (.ci/run installs it).
+    """
+    try:
+        b = Bouncer(server_dsn).start()
+    except DevDBError as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run every test: {exc}")
+        pytest.skip(str(exc))
+    try:
+        yield b
+    finally:
+        b.stop()

@@ -160,6 +160,13 @@ def cmd_bench(argv: list[str]) -> int:
     return bench.main(argv)
 
 
+async def _connect(args: argparse.Namespace) -> Any:
+    """A connection to DATABASE_URL, through the pooler mode the flags or environment say."""
+    from gpuq import db
+
+    return await db.connect(_dsn(args), pooler=config.get("pooler", flag=args.pooler) == "transaction")
+
+
 def _dsn(args: argparse.Namespace) -> str:
     dsn = config.get("database_url", flag=getattr(args, "database_url", None))
     if not dsn:
@@ -175,7 +182,11 @@ def _dsn(args: argparse.Namespace) -> str:
 def cmd_migrate(args: argparse.Namespace) -> int:
     from gpuq.migrate import migrate
 
-    applied = anyio.run(migrate, _dsn(args))
+    direct = config.get("direct_url", flag=args.direct_url)
+    if direct is None and config.get("pooler", flag=args.pooler) == "transaction":
+        raise CLIError("gpuq migrate needs a session, which a transaction pooler does not keep: "
+                       "set GPUQ_DIRECT_URL (or --direct-url) to the server itself")
+    applied = anyio.run(migrate, direct or _dsn(args))
     print(f"applied {', '.join(applied)}" if applied else "up to date")
     return 0
 
@@ -205,7 +216,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     retention = config.get("retention_seconds", flag=args.retention_seconds)
 
     async def run() -> None:
-        pool = await db.create_pool(_dsn(args), min_size=1, max_size=2)
+        pool = await db.create_pool(_dsn(args), min_size=1, max_size=2,
+                                    pooler=config.get("pooler", flag=args.pooler) == "transaction")
         try:
             maintainer = Maintainer.standard(pool, interval, retention)
             if args.once:
@@ -260,7 +272,7 @@ def load_handler(spec: str) -> Callable[..., Any]:
 
 
 def cmd_enqueue(args: argparse.Namespace) -> int:
-    from gpuq import db, queue
+    from gpuq import queue
     from gpuq.queue import NewJob
 
     if args.stdin:
@@ -273,7 +285,7 @@ def cmd_enqueue(args: argparse.Namespace) -> int:
                  dedup_key=args.dedup_key)
 
     async def run() -> int:
-        conn = await db.connect(_dsn(args))
+        conn = await _connect(args)
         try:
             return (await queue.enqueue_many(conn, [job]))[0]
         finally:
@@ -284,7 +296,7 @@ def cmd_enqueue(args: argparse.Namespace) -> int:
 
 
 def _enqueue_stdin(args: argparse.Namespace) -> int:
-    from gpuq import db, queue
+    from gpuq import queue
     from gpuq.queue import NewJob
 
     def parse(lineno: int, line: str) -> NewJob:
@@ -301,7 +313,7 @@ def _enqueue_stdin(args: argparse.Namespace) -> int:
             raise CLIError(f"stdin line {lineno}: {exc}") from None
 
     async def run() -> int:
-        conn = await db.connect(_dsn(args))
+        conn = await _connect(args)
         total, batch = 0, []
         try:
             for lineno, line in enumerate(sys.stdin, 1):
@@ -329,10 +341,10 @@ def _json_arg(text: str, what: str) -> Any:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from gpuq import db, queue
+    from gpuq import queue
 
     async def run() -> dict[str, Any]:
-        conn = await db.connect(_dsn(args))
+        conn = await _connect(args)
         try:
             return (await queue.status_counts(conn)).as_dict()
         finally:

@@ -108,6 +108,14 @@ _DB_COMMANDS = ("migrate", "serve", "sweep", "enqueue", "status")
 SETTINGS: tuple[Setting, ...] = (
     Setting("database_url", "DATABASE_URL", None, parse_text, "PostgreSQL DSN",
             {c: "--database-url" for c in _DB_COMMANDS}, shown="required (not for `dev`)"),
+    Setting("pooler", "GPUQ_POOLER", "none", _choice("none", "transaction"),
+            "`transaction`: DATABASE_URL goes through a transaction pooler (PgBouncer): no startup "
+            "parameters or statement cache, planner guards set per transaction",
+            {c: "--pooler" for c in _DB_COMMANDS}),
+    Setting("direct_url", "GPUQ_DIRECT_URL", None, parse_text,
+            "a direct (session) PostgreSQL URL for LISTEN and migrations when DATABASE_URL is pooled; "
+            "pooled without it, serve polls", {SERVE: "--direct-url", "migrate": "--direct-url"},
+            shown="DATABASE_URL (pooled: none)"),
     Setting("listen", "GPUQ_LISTEN", ("127.0.0.1", 8765), parse_listen,
             "host:port of /agent and the HTTP endpoints", {SERVE: "--listen"}, shown="`127.0.0.1:8765`"),
     Setting("tokens", "GPUQ_TOKENS", frozenset(), parse_tokens,
@@ -205,6 +213,8 @@ class ServerConfig:
     """Settings of ``gpuq serve`` (dispatcher + maintenance + websocket/HTTP server)."""
 
     database_url: str
+    pooler: str = default("pooler")
+    direct_url: str | None = default("direct_url")
     listen: tuple[str, int] = default("listen")
     tokens: frozenset[str] = default("tokens")
     lease_seconds: float = default("lease_seconds")
@@ -233,6 +243,12 @@ class ServerConfig:
         for name in ("max_batch", "max_connections", "max_connections_per_ip", "max_messages_per_second"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, not {getattr(self, name)}")
+
+    @property
+    def listen_url(self) -> str | None:
+        """Where the dispatcher LISTENs: the direct URL, else DATABASE_URL unless it is pooled
+        (LISTEN does not work through a transaction pooler): None means poll only."""
+        return self.direct_url or (None if self.pooler == "transaction" else self.database_url)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, flags: Mapping[str, str] | None = None,

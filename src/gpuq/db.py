@@ -1,4 +1,12 @@
-"""Connections to PostgreSQL: one place that knows how to open them."""
+"""Connections to PostgreSQL: one place that knows how to open them.
+
+Direct connections carry the planner guards as startup parameters (one
+round trip per statement). Through a transaction pooler (``GPUQ_POOLER=
+transaction``) session state does not stick and PgBouncer refuses unknown
+startup parameters, so pooled connections send none, keep no prepared-statement
+cache, and run each statement in a transaction that sets the guards first
+(``Guarded``; docs/design.md, "Behind a transaction pooler").
+"""
 
 from __future__ import annotations
 
@@ -7,7 +15,9 @@ from typing import Any
 
 import asyncpg
 
+from gpuq import config
 from gpuq.plans import PLAN_SETTINGS
+from gpuq.sql import queries
 
 
 class DatabaseUnavailable(RuntimeError):
@@ -19,8 +29,58 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
 
-def _server_settings(kwargs: dict[str, Any]) -> dict[str, str]:
-    return {**PLAN_SETTINGS, **kwargs.pop("server_settings", {})}
+def pooled() -> bool:
+    return bool(config.get("pooler") == "transaction")
+
+
+def _session_kwargs(kwargs: dict[str, Any], is_pooled: bool) -> dict[str, Any]:
+    """Startup parameters (the planner guards) for a direct connection; none and no
+    statement cache for a pooled one."""
+    if is_pooled:
+        return {**kwargs, "statement_cache_size": 0}
+    return {**kwargs, "server_settings": {**PLAN_SETTINGS, **kwargs.get("server_settings", {})}}
+
+
+class Guarded:
+    """A pooled Connection or Pool whose statements each run in a transaction that sets the
+    planner guards first (``SET LOCAL``): through a transaction pooler nothing else sticks."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def _run(self, method: str, query: str, args: tuple[Any, ...]) -> Any:
+        is_pool = isinstance(self.inner, asyncpg.Pool)
+        async with self.inner.acquire() if is_pool else _Borrowed(self.inner) as conn, conn.transaction():
+            await conn.execute(queries["plan_guards"])
+            return await getattr(conn, method)(query, *args)
+
+    async def fetch(self, query: str, *args: Any) -> Any:
+        return await self._run("fetch", query, args)
+
+    async def fetchrow(self, query: str, *args: Any) -> Any:
+        return await self._run("fetchrow", query, args)
+
+    async def fetchval(self, query: str, *args: Any) -> Any:
+        return await self._run("fetchval", query, args)
+
+    async def execute(self, query: str, *args: Any) -> Any:
+        return await self._run("execute", query, args)
+
+
+class _Borrowed:
+    """A connection as an async context manager that leaves it open."""
+
+    def __init__(self, conn: Any):
+        self.conn = conn
+
+    async def __aenter__(self) -> Any:
+        return self.conn
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
 
 
 async def _keep_session(_conn: asyncpg.Connection) -> None:
@@ -32,23 +92,34 @@ async def _keep_session(_conn: asyncpg.Connection) -> None:
     """
 
 
-async def connect(dsn: str, **kwargs: Any) -> asyncpg.Connection:
+async def connect(dsn: str, *, direct: bool = False, pooler: bool | None = None, **kwargs: Any) -> Any:
+    """A connection; ``Guarded`` through a transaction pooler (``pooler``, default from
+    ``GPUQ_POOLER``) unless ``direct``."""
+    is_pooled = (pooled() if pooler is None else pooler) and not direct
     try:
-        conn = await asyncpg.connect(dsn, server_settings=_server_settings(kwargs), **kwargs)
+        conn = await asyncpg.connect(dsn, **_session_kwargs(kwargs, is_pooled))
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-        raise DatabaseUnavailable(f"cannot connect to the database at {redact(dsn)}: {exc}") from None
+        raise DatabaseUnavailable(_unreachable(dsn, exc)) from None
     await _init_connection(conn)
-    return conn
+    return Guarded(conn) if is_pooled else conn
 
 
-async def create_pool(dsn: str, min_size: int = 1, max_size: int = 10, **kwargs: Any) -> asyncpg.Pool:
+async def create_pool(dsn: str, min_size: int = 1, max_size: int = 10, *, pooler: bool | None = None,
+                      **kwargs: Any) -> Any:
+    """A pool; ``Guarded`` through a transaction pooler (``pooler``, default from ``GPUQ_POOLER``)."""
+    is_pooled = pooled() if pooler is None else pooler
     try:
-        return await asyncpg.create_pool(
-            dsn, min_size=min_size, max_size=max_size, init=_init_connection, reset=_keep_session,
-            server_settings=_server_settings(kwargs), **kwargs,
-        )
+        pool = await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size, init=_init_connection,
+                                         reset=_keep_session, **_session_kwargs(kwargs, is_pooled))
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-        raise DatabaseUnavailable(f"cannot connect to the database at {redact(dsn)}: {exc}") from None
+        raise DatabaseUnavailable(_unreachable(dsn, exc)) from None
+    return Guarded(pool) if is_pooled else pool
+
+
+def _unreachable(dsn: str, exc: BaseException) -> str:
+    hint = ("; behind PgBouncer set GPUQ_POOLER=transaction (or --pooler transaction)"
+            if "unsupported startup parameter" in str(exc) else "")
+    return f"cannot connect to the database at {redact(dsn)}: {exc}{hint}"
 
 
 def redact(dsn: str) -> str:

@@ -170,7 +170,8 @@ class Dispatcher:
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._listen_loop)
+            if self.config.listen_url is not None:  # else poll only (a pooled URL and no direct one)
+                tg.start_soon(self._listen_loop)
             tg.start_soon(self._lease_loop)
             tg.start_soon(self.completer.run)
 
@@ -182,7 +183,8 @@ class Dispatcher:
         """Hold one LISTEN connection until it is lost."""
         conn = None
         try:
-            conn = await db.connect(self.config.database_url)
+            assert self.config.listen_url is not None
+            conn = await db.connect(self.config.listen_url, direct=True)  # LISTEN needs a session
             lost = anyio.Event()
             conn.add_termination_listener(lambda _c, lost=lost: lost.set())
             await conn.add_listener(queue.NOTIFY_CHANNEL, self._on_notify)

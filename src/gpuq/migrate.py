@@ -65,7 +65,7 @@ def load_migrations(directory: Path | None = None) -> list[Migration]:
 async def migrate(dsn: str, directory: Path | None = None) -> list[str]:
     """Apply every migration not yet applied; return the names applied now."""
     wanted = load_migrations(directory)
-    conn = await connect(dsn)
+    conn = await connect(dsn, direct=True)  # the advisory lock is a session's
     try:
         await conn.execute(queries["migrations_lock"], LOCK_KEY)
         try:

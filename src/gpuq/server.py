@@ -104,8 +104,10 @@ class AgentServer:
                 await self.d.pool.fetchval(queries["ping"])
         except db.RETRYABLE_ERRORS + (TimeoutError,):
             db_ok = False
-        ok = db_ok and self.d.listening and not self.d.stopping
-        return ok, {"ok": ok, "database": db_ok, "listening": self.d.listening, "draining": self.d.stopping}
+        polling = self.config.listen_url is None  # poll-only: nothing to listen on
+        ok = db_ok and (self.d.listening or polling) and not self.d.stopping
+        return ok, {"ok": ok, "database": db_ok, "listening": self.d.listening, "poll_only": polling,
+                    "draining": self.d.stopping}
 
     async def status(self) -> dict[str, Any]:
         counts = await queue.status_counts(self.d.pool)
@@ -269,7 +271,8 @@ async def serve(
     if not config.tokens:
         raise ConfigError("no agent tokens: set GPUQ_TOKENS (comma-separated) or --tokens")
     stop = stop or anyio.Event()
-    pool = await db.create_pool(config.database_url, min_size=2, max_size=10)
+    pool = await db.create_pool(config.database_url, min_size=2, max_size=10,
+                                pooler=config.pooler == "transaction")
     try:
         async with pool.acquire() as conn:
             if missing := await pending_migrations(conn):
@@ -285,6 +288,7 @@ async def serve(
                 max_size=config.max_payload, ssl=tls, compression=None, logger=_quiet_logger(),
             ) as server:
                 port = _port(server)
+                log.info("listen.mode", **_listen_mode(config))
                 log.info("server.listening", host=config.listen[0], port=port, tls=tls is not None,
                          lease_seconds=config.lease_seconds, tokens=len(config.tokens),
                          event_loop=logs.event_loop_name())
@@ -298,6 +302,15 @@ async def serve(
     finally:
         await pool.close()
     log.info("server.stopped")
+
+
+def _listen_mode(config: ServerConfig) -> dict[str, Any]:
+    """What the startup log says about wake-ups: LISTEN on which URL, or poll only."""
+    if config.listen_url is None:
+        return {"mode": "poll", "poll_seconds": config.poll_seconds, "pooler": config.pooler,
+                "reason": "DATABASE_URL is pooled and no GPUQ_DIRECT_URL is set: LISTEN needs a session"}
+    return {"mode": "listen", "url": db.redact(config.listen_url), "pooler": config.pooler,
+            "via": "GPUQ_DIRECT_URL" if config.direct_url else "DATABASE_URL"}
 
 
 def _port(server: Server) -> int:

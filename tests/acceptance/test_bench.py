@@ -83,3 +83,18 @@ def test_agents_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> Non
     assert got["bench"] == "agents" and got["agents"] == 20
     assert {"agents", "serve_rss_mb", "jobs_per_s", "connect_s", "agents_used"} <= got.keys()
     assert got["every_agent_got_work"] is True
+
+
+def test_snapshot_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    got = run_bench(capsys, server_dsn, "snapshot", "--pending", "3000", "--jobs", "2000", "--batch", "64")
+    assert got["bench"] == "snapshot" and got["jobs"] == 2000
+    assert {"buffers_start", "buffers_end", "buffer_ratio", "lease_ms_start", "lease_ms_end", "jobs_per_s",
+            "no_snapshot_buffer_ratio", "no_snapshot_jobs_per_s"} <= got.keys()
+
+
+def test_throughput_with_an_old_snapshot_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("psutil")
+    got = run_bench(capsys, server_dsn, "throughput", "--jobs", "500", "--agents", "1", "--capacity", "16",
+                    "--no-raw", "--old-snapshot")
+    assert {"gpuq_jobs_per_s", "tail_ratio", "snapshot_jobs_per_s", "snapshot_ratio",
+            "snapshot_tail_ratio"} <= got.keys()

@@ -68,7 +68,7 @@ async def test_healthz_turns_503_while_the_listen_connection_is_down(dsn, pool, 
         with anyio.fail_after(5):
             while (res := await http_get(srv.http + "/healthz"))[0] != 503:
                 await anyio.sleep(0.05)
-        assert json.loads(res[2]) == {"ok": False, "database": True, "listening": False, "draining": False}
+        assert json.loads(res[2]) == {"ok": False, "database": True, "listening": False, "poll_only": False, "draining": False}
         monkeypatch.setattr(dispatcher_module.db, "connect", real_connect)
         with anyio.fail_after(10):
             while (await http_get(srv.http + "/healthz"))[0] != 200:

@@ -11,11 +11,11 @@ from gpuq.sql import queries
 NAMES = {
     "enqueue_plain", "enqueue_dedup", "lease_slots", "complete_many", "fail_many", "heartbeat",
     "release_agent", "release_jobs", "reclaim_expired", "promote_due", "notify", "cancel",
-    "prune_window", "min_job_id", "status_counts", "table_estimate", "ping",
+    "prune_window", "min_job_id", "status_counts", "table_estimate", "ping", "plan_guards",
     "migrations_lock", "migrations_unlock", "migrations_bootstrap", "migrations_tracked",
     "migrations_applied", "migration_record",
 }
-MULTI_STATEMENT = {"migrations_bootstrap"}  # run as a simple query, never prepared
+MULTI_STATEMENT = {"migrations_bootstrap", "plan_guards"}  # run as a simple query, never prepared
 
 
 def test_the_file_holds_exactly_the_named_statements():

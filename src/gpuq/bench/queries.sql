@@ -214,3 +214,28 @@ SELECT extract(epoch FROM max(created) FILTER (WHERE status = 'successful')
                          - min(created) FILTER (WHERE status = 'queued'))::float8 AS seconds,
        count(*) FILTER (WHERE status = 'successful') AS done
 FROM pgqueuer_log;
+
+-- name: snapshot_begin
+-- Open a REPEATABLE READ transaction: what a report, pg_dump or a forgotten psql session holds.
+BEGIN ISOLATION LEVEL REPEATABLE READ;
+
+-- name: snapshot_take
+-- Take the snapshot (the first query of the transaction fixes it); from now on VACUUM keeps every row version it can see.
+SELECT count(*) FROM gpuq.jobs WHERE false;
+
+-- name: snapshot_end
+-- Let the snapshot go.
+ROLLBACK;
+
+-- name: tail_rates
+-- Jobs/s of the first and the last 20 % of the jobs, by the database's clocks.
+WITH t AS (
+    SELECT min(created_at) AS t0, max(finished_at) AS t100,
+           percentile_disc(0.2) WITHIN GROUP (ORDER BY finished_at) AS t20,
+           percentile_disc(0.8) WITHIN GROUP (ORDER BY finished_at) AS t80,
+           count(*) AS n
+    FROM gpuq.jobs WHERE status = 'done'
+)
+SELECT 0.2 * n / nullif(extract(epoch FROM t20 - t0), 0) AS first_jobs_per_s,
+       0.2 * n / nullif(extract(epoch FROM t100 - t80), 0) AS last_jobs_per_s
+FROM t;

@@ -13,11 +13,18 @@ its consumers idle and listening first, then the same number of jobs
 inserted in the same chunks, end to end from its log table's timestamps.
 The raw lease+complete ceiling (``gpuq bench raw``, batch = capacity) runs
 too, for ``fraction_of_raw``.
+
+``--old-snapshot`` runs gpuq a second time with a REPEATABLE READ transaction
+held open on another connection from before the first insert (issue #14), and
+reports its jobs/s against the plain run and, for both, the jobs/s of the last
+20 % of the jobs against the first 20 % (``tail_ratio``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -25,6 +32,7 @@ import anyio
 from gpuq import queue
 from gpuq.bench import common, peer_pgqueuer, raw
 from gpuq.bench.measure import CpuMeter, postmaster_pid
+from gpuq.db import connect
 from gpuq.harness import KIND, Fleet
 from gpuq.queue import NewJob
 
@@ -49,11 +57,13 @@ def register(sub: Any) -> None:
         p.add_argument("--pgq-processes", type=common.positive_int, default=1,
                        help="pgqueuer consumer processes (default 1)")
         p.add_argument("--no-raw", action="store_true", help="skip the raw ceiling run")
+        p.add_argument("--old-snapshot", action="store_true",
+                       help="also run gpuq with a REPEATABLE READ snapshot held open throughout")
 
     async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
         return await run(t.dsn, a.jobs, a.agents, a.capacity, a.mode, a.compare,
                          pgq=dict(batch_size=a.pgq_batch, workers=a.pgq_workers, processes=a.pgq_processes),
-                         with_raw=not a.no_raw)
+                         with_raw=not a.no_raw, old_snapshot=a.old_snapshot)
 
     common.declare(sub, "throughput", "end-to-end jobs/s through serve + agent processes (optionally vs pgqueuer)",
             __doc__, args, body, report)
@@ -61,7 +71,7 @@ def register(sub: Any) -> None:
 
 async def run(dsn: str, jobs: int, agents: int, capacity: int, mode: str = "bulk",
               compare: str | None = None, pgq: dict[str, Any] | None = None,
-              with_raw: bool = True) -> dict[str, Any]:
+              with_raw: bool = True, old_snapshot: bool = False) -> dict[str, Any]:
     chunk = CHUNKS[mode]
     gpuq = await run_gpuq(dsn, jobs, agents, capacity, chunk)
     result: dict[str, Any] = {
@@ -69,7 +79,14 @@ async def run(dsn: str, jobs: int, agents: int, capacity: int, mode: str = "bulk
         "gpuq_jobs_per_s": gpuq["jobs_per_s"], "gpuq_seconds": gpuq["seconds"],
         "serve_cpu_s": gpuq["serve_cpu_s"], "agents_cpu_s": gpuq["agents_cpu_s"],
         "postgres_cpu_s": gpuq["postgres_cpu_s"], "agents_used": gpuq["agents_used"],
+        "tail_ratio": gpuq["tail_ratio"],
     }
+    if old_snapshot:
+        common.progress(f"gpuq again, {jobs:,} jobs, with a REPEATABLE READ snapshot held open")
+        held = await run_gpuq(dsn, jobs, agents, capacity, chunk, hold_snapshot=True)
+        result.update({"snapshot_jobs_per_s": held["jobs_per_s"], "snapshot_tail_ratio": held["tail_ratio"],
+                       "snapshot_ratio": round(held["jobs_per_s"] / gpuq["jobs_per_s"], 3),
+                       "snapshot_postgres_cpu_s": held["postgres_cpu_s"]})
     if with_raw:
         common.progress(f"raw ceiling: {jobs:,} jobs, batch {capacity}, 2 workers")
         r = await raw.run(dsn, jobs, capacity, 2)
@@ -90,8 +107,9 @@ async def run(dsn: str, jobs: int, agents: int, capacity: int, mode: str = "bulk
     return result
 
 
-async def run_gpuq(dsn: str, jobs: int, agents: int, capacity: int, chunk: int) -> dict[str, Any]:
-    async with common.fleet_on(dsn) as (fleet, conn, settings):
+async def run_gpuq(dsn: str, jobs: int, agents: int, capacity: int, chunk: int,
+                   hold_snapshot: bool = False) -> dict[str, Any]:
+    async with common.fleet_on(dsn) as (fleet, conn, settings), _snapshot(dsn, hold_snapshot):
         pg_pid = await postmaster_pid(conn)
         common.progress(f"starting gpuq serve on 127.0.0.1:{fleet.port} and {agents} agents "
                  f"(capacity {capacity}); logs in {fleet.logdir}")
@@ -104,12 +122,29 @@ async def run_gpuq(dsn: str, jobs: int, agents: int, capacity: int, chunk: int) 
         await drained(conn, fleet, timeout=900)
         used = cpu.stop()
         row = await conn.fetchrow(common.queries["end_to_end"])
+        first, last = await conn.fetchrow(common.queries["tail_rates"])
     if row["done"] != jobs:
         raise RuntimeError(f"gpuq: {row['done']} jobs done ({row['dead']} dead), expected {jobs}")
     seconds = float(row["seconds"])
     return {"seconds": round(seconds, 3), "jobs_per_s": round(jobs / seconds, 1),
             "serve_cpu_s": used["serve"], "agents_cpu_s": used["agents"], "postgres_cpu_s": used["postgres"],
-            "agents_used": row["agents_used"], "settings": settings, "pg_pid": pg_pid}
+            "agents_used": row["agents_used"], "settings": settings, "pg_pid": pg_pid,
+            "tail_ratio": round(float(last) / float(first), 3) if first and last else None}
+
+
+@contextlib.asynccontextmanager
+async def _snapshot(dsn: str, hold: bool) -> AsyncIterator[None]:
+    """While inside, a REPEATABLE READ transaction holds its snapshot open (when ``hold``)."""
+    if not hold:
+        yield
+        return
+    other = await connect(dsn, direct=True)
+    try:
+        await other.execute(common.queries["snapshot_begin"])
+        await other.fetchval(common.queries["snapshot_take"])
+        yield
+    finally:
+        await other.close()  # ends the transaction
 
 
 async def insert(conn: Any, jobs: int, chunk: int) -> None:
@@ -141,7 +176,11 @@ def report(r: dict[str, Any]) -> None:
     common.print_table(["system", "jobs/s", "end-to-end s", "client CPU s", "postgres CPU s"], rows,
                 title=f"throughput: {r['jobs']:,} jobs, {r['agents']} agents x capacity "
                       f"{r['capacity']}, {r['mode']} insert, no-op handler")
-    for key, label in (("ratio", "gpuq / pgqueuer"), ("fraction_of_raw", "gpuq / raw")):
+    for key, label in (("ratio", "gpuq / pgqueuer"), ("fraction_of_raw", "gpuq / raw"),
+                       ("tail_ratio", "last 20 % / first 20 % of the jobs"),
+                       ("snapshot_jobs_per_s", "with an old snapshot held, jobs/s"),
+                       ("snapshot_ratio", "with an old snapshot / without"),
+                       ("snapshot_tail_ratio", "with an old snapshot, last 20 % / first 20 %")):
         if key in r:
             print(f"{label}: {r[key]}")
 

@@ -212,6 +212,10 @@ SELECT 'scheduled', kind, count(*), min(run_at) FROM gpuq.jobs WHERE status = 's
 SELECT greatest(c.reltuples, 0)::bigint AS estimate, now() AS now FROM pg_class c
 WHERE c.oid = 'gpuq.jobs'::regclass;
 
+-- name: plan_guards
+-- The planner guards for this transaction only: what a transaction pooler lets stick (docs/design.md).
+SET LOCAL enable_bitmapscan = off; SET LOCAL enable_seqscan = off;
+
 -- name: ping
 -- Is the connection alive?
 SELECT 1;
