@@ -98,3 +98,10 @@ def test_throughput_with_an_old_snapshot_json(server_dsn: str, capsys: pytest.Ca
                     "--no-raw", "--old-snapshot")
     assert {"gpuq_jobs_per_s", "tail_ratio", "snapshot_jobs_per_s", "snapshot_ratio",
             "snapshot_tail_ratio"} <= got.keys()
+
+
+def test_producers_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("psutil")
+    got = run_bench(capsys, server_dsn, "producers", "--producers", "2", "--seconds", "0.5", "--agents", "1")
+    assert {"commits_per_s", "no_trigger_commits_per_s", "commit_ratio", "consumed"} <= got.keys()
+    assert got["consumed"] is True

@@ -239,3 +239,7 @@ WITH t AS (
 SELECT 0.2 * n / nullif(extract(epoch FROM t20 - t0), 0) AS first_jobs_per_s,
        0.2 * n / nullif(extract(epoch FROM t100 - t80), 0) AS last_jobs_per_s
 FROM t;
+
+-- name: insert_one
+-- One job of kind $1: what a single-row producer commits.
+INSERT INTO gpuq.jobs (kind) VALUES ($1);

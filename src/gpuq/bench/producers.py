@@ -1,0 +1,83 @@
+"""``gpuq bench producers``: commits/s of many single-row producers while gpuq consumes.
+
+``--producers`` connections each commit one ``INSERT`` per transaction
+(synchronous_commit as the server has it) for ``--seconds``, while a real
+``gpuq serve`` and ``--agents`` agents consume. The same run is repeated with
+the wake-up trigger disabled (serve then polls every 0.2 s). PostgreSQL
+serializes the commits of every transaction that issued NOTIFY, so
+``commit_ratio`` = commits/s with the trigger / without shows what producers
+pay for wake-ups (issue #14's target: >= 0.9). Every job must still be consumed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import anyio
+
+from gpuq.bench import common
+from gpuq.bench.throughput import drained
+from gpuq.db import connect
+from gpuq.harness import KIND
+
+
+def register(sub: Any) -> None:
+    def args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--producers", type=common.positive_int, default=16, help="producer connections (default 16)")
+        p.add_argument("--seconds", type=common.positive_float, default=10.0, help="producing time (default 10)")
+        p.add_argument("--agents", type=common.positive_int, default=2, help="agent processes (default 2)")
+        p.add_argument("--capacity", type=common.positive_int, default=64, help="capacity of each agent (default 64)")
+
+    async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
+        with_trigger = await run(t.dsn, a.producers, a.seconds, a.agents, a.capacity, trigger=True)
+        without = await run(t.dsn, a.producers, a.seconds, a.agents, a.capacity, trigger=False)
+        return {"bench": "producers", "producers": a.producers, "seconds": a.seconds, "agents": a.agents,
+                "commits_per_s": with_trigger["commits_per_s"], "no_trigger_commits_per_s": without["commits_per_s"],
+                "commit_ratio": round(with_trigger["commits_per_s"] / without["commits_per_s"], 3),
+                "consumed": with_trigger["consumed"] and without["consumed"], "postgres": with_trigger["postgres"]}
+
+    common.declare(sub, "producers", "commits/s of single-row producers with and without the wake-up trigger",
+                   __doc__, args, body, report,
+                   failures=lambda r: [] if r["consumed"] else ["not every job was consumed"])
+
+
+async def run(dsn: str, producers: int, seconds: float, agents: int, capacity: int, trigger: bool) -> dict[str, Any]:
+    async with common.fleet_on(dsn) as (fleet, conn, settings):
+        if not trigger:
+            await conn.execute(common.queries["trigger_off"])
+        await anyio.to_thread.run_sync(lambda: fleet.start_serve(poll_seconds=0.2))
+        await anyio.to_thread.run_sync(fleet.start_agents, agents, capacity)
+        common.progress(f"{producers} producers for {seconds:g}s, wake-up trigger {'on' if trigger else 'off'}")
+        commits = [0] * producers
+        deadline = time.monotonic() + seconds
+
+        async def produce(i: int) -> None:
+            c = await connect(dsn, direct=True)
+            try:
+                while time.monotonic() < deadline:
+                    await c.execute(common.queries["insert_one"], KIND)
+                    commits[i] += 1
+            finally:
+                await c.close()
+
+        async with anyio.create_task_group() as tg:
+            for i in range(producers):
+                tg.start_soon(produce, i)
+        await drained(conn, fleet, timeout=120)
+        consumed = await conn.fetchval(common.queries["count_done"]) == sum(commits)
+    return {"commits_per_s": round(sum(commits) / seconds, 1), "consumed": bool(consumed), "postgres": settings}
+
+
+def report(r: dict[str, Any]) -> None:
+    common.print_settings(r["postgres"])
+    common.print_table(["wake-up trigger", "commits/s"], [["on", r["commits_per_s"]],
+                                                          ["off (serve polls)", r["no_trigger_commits_per_s"]]],
+                       title=f"producers: {r['producers']} single-row producers for {r['seconds']:g}s while "
+                             f"{r['agents']} agents consume")
+    print(f"commit ratio (on / off): {r['commit_ratio']}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(common.standalone("producers"))
