@@ -26,10 +26,9 @@ from gpuq.harness import http_json
 
 def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--agents", type=common.positive_int, default=1000, help="agents (default 1000)")
         p.add_argument("--per-process", type=common.positive_int, default=250,
                        help="agents per swarm process (default 250)")
-        p.add_argument("--capacity", type=common.positive_int, default=1, help="capacity of each agent (default 1)")
+        common.fleet_args(p, agents=1000, capacity=1, what="agents")
         p.add_argument("--jobs", type=common.positive_int, default=None,
                        help="jobs once all are connected (default 20 per agent)")
 

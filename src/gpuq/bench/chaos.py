@@ -363,8 +363,7 @@ def register(sub: Any) -> None:
         p.add_argument("--jobs", type=common.positive_int, default=20_000, help="jobs to insert (default 20000)")
         p.add_argument("--seconds", type=float, default=60.0,
                        help="spread the inserts (and the chaos) over this long (default 60)")
-        p.add_argument("--agents", type=common.positive_int, default=6, help="agent processes (default 6)")
-        p.add_argument("--capacity", type=common.positive_int, default=8, help="capacity of each agent (default 8)")
+        common.fleet_args(p, agents=6, capacity=8)
         p.add_argument("--work-ms", type=float, default=50.0, help="mean handler time per job (default 50)")
         p.add_argument("--dispatcher-kills", type=int, default=2, help="serve SIGKILLs (default 2)")
         p.add_argument("--no-pg-restart", action="store_true", help="skip the PostgreSQL restart")

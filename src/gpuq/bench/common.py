@@ -236,6 +236,14 @@ def median(xs: Sequence[float]) -> float:
 # -- argument types -----------------------------------------------------------
 
 
+def fleet_args(p: argparse.ArgumentParser, agents: int, capacity: int, what: str = "agent processes") -> None:
+    """``--agents`` and ``--capacity`` with this bench's defaults."""
+    p.add_argument("--agents", type=positive_int, default=agents, help=f"{what} (default {agents})")
+    p.add_argument("--capacity", type=positive_int, default=capacity,
+                   help=f"capacity of each agent (default {capacity})")
+
+
+
 def parse_int_list(text: str) -> list[int]:
     try:
         values = [int(x.replace("_", "")) for x in text.split(",") if x.strip()]

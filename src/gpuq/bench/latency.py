@@ -32,8 +32,7 @@ def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--rate", type=common.positive_float, default=100.0, help="jobs per second (default 100)")
         p.add_argument("--seconds", type=common.positive_float, default=20.0, help="duration (default 20)")
-        p.add_argument("--agents", type=common.positive_int, default=2, help="agent processes (default 2)")
-        p.add_argument("--capacity", type=common.positive_int, default=4, help="capacity of each agent (default 4)")
+        common.fleet_args(p, agents=2, capacity=4)
         p.add_argument("--compare", choices=["pgqueuer"], default=None,
                        help="also run this peer on the same database and schedule")
         p.add_argument("--pgq-batch", type=common.positive_int, default=10,

@@ -27,8 +27,7 @@ def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--producers", type=common.positive_int, default=16, help="producer connections (default 16)")
         p.add_argument("--seconds", type=common.positive_float, default=10.0, help="producing time (default 10)")
-        p.add_argument("--agents", type=common.positive_int, default=2, help="agent processes (default 2)")
-        p.add_argument("--capacity", type=common.positive_int, default=64, help="capacity of each agent (default 64)")
+        common.fleet_args(p, agents=2, capacity=64)
 
     async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
         with_trigger = await run(t.dsn, a.producers, a.seconds, a.agents, a.capacity, trigger=True)

@@ -124,8 +124,7 @@ def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--seconds", type=float, default=600.0, help="length of the soak (default 600)")
         p.add_argument("--rate", type=float, default=300.0, help="jobs inserted per second (default 300)")
-        p.add_argument("--agents", type=common.positive_int, default=4, help="agent processes (default 4)")
-        p.add_argument("--capacity", type=common.positive_int, default=8, help="capacity of each agent (default 8)")
+        common.fleet_args(p, agents=4, capacity=8)
         p.add_argument("--sample-seconds", type=float, default=2.0, help="RSS sampling interval (default 2)")
         p.add_argument("--max-ratio", type=float, default=1.2,
                        help="fail if RSS at the end exceeds this multiple of the warm RSS (default 1.2)")

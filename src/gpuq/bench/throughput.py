@@ -42,8 +42,7 @@ CHUNKS = {"bulk": 10_000, "stream": 100}
 def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--jobs", type=common.positive_int, default=100_000, help="jobs (default 100000)")
-        p.add_argument("--agents", type=common.positive_int, default=4, help="agent processes (default 4)")
-        p.add_argument("--capacity", type=common.positive_int, default=64, help="capacity of each agent (default 64)")
+        common.fleet_args(p, agents=4, capacity=64)
         p.add_argument("--mode", choices=sorted(CHUNKS), default="bulk",
                        help="bulk: insert 10,000 a statement up front; stream: 100 a statement "
                             "while consuming (default bulk)")
