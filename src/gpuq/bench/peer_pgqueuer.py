@@ -55,6 +55,21 @@ def _require() -> Any:
     return pgqueuer
 
 
+def _queries(conn: Any) -> Any:
+    """pgqueuer's query layer on an asyncpg connection."""
+    from pgqueuer.db import AsyncpgDriver
+    from pgqueuer.queries import Queries
+
+    return Queries(AsyncpgDriver(conn))
+
+
+def _manager(conn: Any) -> Any:
+    """A pgqueuer QueueManager on an asyncpg connection."""
+    from pgqueuer import QueueManager
+
+    return QueueManager(_queries(conn))
+
+
 def version() -> str:
     return str(getattr(_require(), "__version__", "?"))
 
@@ -62,12 +77,9 @@ def version() -> str:
 async def install(dsn: str) -> None:
     """Drop any pgqueuer schema objects and install them afresh (+ its autovacuum settings)."""
     _require()
-    from pgqueuer.db import AsyncpgDriver
-    from pgqueuer.queries import Queries
-
     conn = await asyncpg.connect(dsn)
     try:
-        q = Queries(AsyncpgDriver(conn))
+        q = _queries(conn)
         if await q.schema_is_installed():
             await q.uninstall()
         await q.install()
@@ -91,13 +103,10 @@ def _run_loop(coro: Any, use_uvloop: bool) -> Any:
 
 
 async def _listen(dsn: str, expected: int, batch_size: int, ready: Any, out: Any) -> None:
-    from pgqueuer import QueueManager
-    from pgqueuer.db import AsyncpgDriver
     from pgqueuer.models import Job
-    from pgqueuer.queries import Queries
 
     conn = await asyncpg.connect(dsn)
-    qm = QueueManager(Queries(AsyncpgDriver(conn)))
+    qm = _manager(conn)
     lat: list[float] = []
 
     @qm.entrypoint(ENTRYPOINT)
@@ -126,10 +135,6 @@ def _listen_process(dsn: str, expected: int, batch_size: int, use_uvloop: bool,
 async def latency(dsn: str, rate: float, seconds: float, *, batch_size: int = DEFAULT_BATCH,
                   use_uvloop: bool = True) -> dict[str, Any]:
     """Insert ``rate`` jobs/s for ``seconds`` into an idle consumer; latency percentiles (ms)."""
-    _require()
-    from pgqueuer.db import AsyncpgDriver
-    from pgqueuer.queries import Queries
-
     await install(dsn)
     n = max(1, round(rate * seconds))
     ctx = mp.get_context("spawn")
@@ -140,16 +145,14 @@ async def latency(dsn: str, rate: float, seconds: float, *, batch_size: int = DE
     try:
         conn = await asyncpg.connect(dsn)
         try:
-            q = Queries(AsyncpgDriver(conn))
+            q = _queries(conn)
             await q.enqueue(ENTRYPOINT, WARMUP)
             if not await asyncio.to_thread(ready.wait, 60):
                 raise RuntimeError("pgqueuer latency consumer did not start")
             await asyncio.sleep(0.2)
             t0 = time.perf_counter()
             for i in range(n):
-                delay = t0 + i / rate - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+                await asyncio.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
                 await q.enqueue(ENTRYPOINT, repr(time.time()).encode())
         finally:
             await conn.close()
@@ -178,15 +181,12 @@ def _quiet_pgqueuer_logs() -> None:
 # ('successful') in one statement, so an empty queue table means every
 # result is committed.
 async def _serve_until(dsn: str, workers: int, batch_size: int, ready: Any, stop: Any) -> None:
-    from pgqueuer import QueueManager
-    from pgqueuer.db import AsyncpgDriver
     from pgqueuer.models import Job
-    from pgqueuer.queries import Queries
 
     qms, conns = [], []
     for _ in range(workers):
         conn = await asyncpg.connect(dsn)
-        qm = QueueManager(Queries(AsyncpgDriver(conn)))
+        qm = _manager(conn)
 
         @qm.entrypoint(ENTRYPOINT)
         async def noop(job: Job) -> None:
@@ -232,8 +232,6 @@ async def end_to_end(dsn: str, n: int, *, chunk: int = ENQUEUE_CHUNK, batch_size
     (and of the PostgreSQL server ``pg_pid``, with its backends).
     """
     _require()
-    from pgqueuer.db import AsyncpgDriver
-    from pgqueuer.queries import Queries
 
     await install(dsn)
     ctx = mp.get_context("spawn")
@@ -251,7 +249,7 @@ async def end_to_end(dsn: str, n: int, *, chunk: int = ENQUEUE_CHUNK, batch_size
                 raise RuntimeError("pgqueuer consumer process did not start")
         cpu = CpuMeter({"consumers": [p.pid for p in procs if p.pid], "postgres": [pg_pid] if pg_pid else []})
         cpu.start()
-        q = Queries(AsyncpgDriver(conn))
+        q = _queries(conn)
         for lo in range(0, n, chunk):
             k = min(chunk, n - lo)
             await q.enqueue([ENTRYPOINT] * k, [None] * k, [0] * k)
