@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import random
 import secrets
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -100,6 +101,11 @@ class Dispatcher:
         self._credit: set[frozenset[str]] = set()  # groups whose agents freed credit
         self._empty: set[frozenset[str]] = set()  # groups whose last lease came up short
         self._rotation = 0
+        # kind -> (priority, id) where its next lease starts (docs/design.md, "Lease cursors").
+        # Dropped when jobs may be behind it: a notification says so, or poll_seconds passed.
+        self._cursors: dict[str, tuple[int, int]] = {}
+        self._cursors_since = time.monotonic()
+        self._rewinds = 0  # cursors dropped by notifications so far
 
     # -- agents ----------------------------------------------------------
 
@@ -156,10 +162,15 @@ class Dispatcher:
 
     def _on_notify(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
         metrics.NOTIFICATIONS.inc()
-        if payload == "*" or not payload:
+        wakeup = queue.parse_wakeup(payload)
+        if wakeup.every:
             self._notified_all = True
-        else:
-            self._notified.update(payload.split(","))
+        for kind, top in wakeup.kinds.items():
+            self._notified.add(kind)
+            cursor = self._cursors.get(kind)
+            if top is None or (cursor is not None and top > cursor[0]):
+                self._cursors.pop(kind, None)  # jobs behind it: start that kind from the top
+                self._rewinds += 1
         self._wake.set()
 
     def wake_all(self) -> None:
@@ -228,6 +239,11 @@ class Dispatcher:
         notified, self._notified = self._notified, set()
         notified_all, self._notified_all = self._notified_all, False
         credit, self._credit = self._credit, set()
+        if notified_all or time.monotonic() - self._cursors_since > self.config.poll_seconds:
+            # What no notification announces (a lost one, rows another lease skipped
+            # while locked, poll-only mode) waits at most this long behind a cursor.
+            self._cursors.clear()
+            self._cursors_since = time.monotonic()
         groups: dict[frozenset[str], list[AgentSession]] = {}
         for s in self.sessions.values():
             if s.free:
@@ -250,8 +266,12 @@ class Dispatcher:
             slots = _interleave(members, self.config.max_batch)
             if not slots:
                 return
+            rewinds = self._rewinds
             with metrics.LEASE_SECONDS.time():
-                result = await queue.lease_slots(self.pool, sorted(kinds), slots, self.config.lease_seconds)
+                result = await queue.lease_slots(self.pool, sorted(kinds), slots, self.config.lease_seconds,
+                                                 self._cursors)
+            if rewinds == self._rewinds:  # else a drop arrived during the lease: keep it
+                self._cursors.update(result.cursors)
             self._deliver(result.jobs)
             if result.jobs or result.dead:
                 log.info("lease.batch", batch=len(result.jobs), requested=len(slots), kinds=sorted(kinds),

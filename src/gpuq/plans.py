@@ -9,10 +9,22 @@ history-independence tests and ``gpuq bench lease-history``.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpuq.sql import queries
+
+# A cursor is the (priority, id) of the last job a lease of the kind took; the
+# next lease walks jobs_pending_idx (kind, -priority, id) from just past it.
+# START is above every priority (at most 32767), so it covers the whole index.
+START = (32768, 0)
+
+
+def lease_args(kinds: Sequence[str], slots: Sequence[str], lease_seconds: float,
+               cursors: Mapping[str, tuple[int, int]] | None = None) -> tuple[Any, ...]:
+    """The parameters of the ``lease_slots`` statement (a cursor's rank is -priority)."""
+    at = [(cursors or {}).get(k, START) for k in kinds]
+    return (list(kinds), len(slots), list(slots), float(lease_seconds), [-p for p, _ in at], [i for _, i in at])
 
 PLAN_SETTINGS = {"enable_bitmapscan": "off", "enable_seqscan": "off", "plan_cache_mode": "force_generic_plan"}
 
@@ -32,9 +44,10 @@ async def explain(conn: Any, statement: str, *args: Any) -> dict[str, Any]:
     return dict(plan)
 
 
-async def explain_lease(conn: Any, kinds: Sequence[str], n: int) -> dict[str, Any]:
-    """The executed plan of leasing ``n`` jobs of ``kinds``, rolled back."""
-    return await explain(conn, queries["lease_slots"], list(kinds), n, ["explain"] * n, 30.0)
+async def explain_lease(conn: Any, kinds: Sequence[str], n: int,
+                        cursors: Mapping[str, tuple[int, int]] | None = None) -> dict[str, Any]:
+    """The executed plan of leasing ``n`` jobs of ``kinds`` (from ``cursors``), rolled back."""
+    return await explain(conn, queries["lease_slots"], *lease_args(kinds, ["explain"] * n, 30.0, cursors))
 
 
 def plan_buffers(plan: dict[str, Any], *, reads_only: bool = False) -> int:

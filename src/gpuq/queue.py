@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import operator
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
 from gpuq.kinds import KIND_RULE, is_kind
+from gpuq.plans import lease_args
 from gpuq.sql import queries
 
 NOTIFY_CHANNEL = "gpuq_jobs"  # also in queries.sql (notify) and the trigger of migration 0001
@@ -146,6 +147,8 @@ class LeaseResult:
     reclaimed: int = 0  # of ``jobs``, how many came from expired leases
     dead: int = 0  # expired leases found with no attempts left, now dead
     phase2_ran: bool = False  # phase 1 left slots, so expired leases were looked for
+    # kind -> (priority, id) of the last pending job leased: where the next lease of it starts
+    cursors: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 async def lease(db: DB, kinds: Sequence[str], n: int, agent: str, lease_seconds: float) -> LeaseResult:
@@ -153,12 +156,18 @@ async def lease(db: DB, kinds: Sequence[str], n: int, agent: str, lease_seconds:
     return await lease_slots(db, kinds, [agent] * n, lease_seconds)
 
 
-async def lease_slots(db: DB, kinds: Sequence[str], slots: Sequence[str], lease_seconds: float) -> LeaseResult:
+async def lease_slots(db: DB, kinds: Sequence[str], slots: Sequence[str], lease_seconds: float,
+                      cursors: Mapping[str, tuple[int, int]] | None = None) -> LeaseResult:
     """Lease up to ``len(slots)`` jobs of ``kinds``; the i-th job leased goes to ``slots[i]``.
 
     Phase 1 claims pending rows (jobs_pending_idx, priority then id, SKIP
-    LOCKED); phase 2, only for the slots phase 1 left, reclaims expired leases
-    (jobs_leased_idx), sending those out of attempts to dead. One statement.
+    LOCKED), for each kind from its cursor on (``cursors``, as the last
+    result's ``cursors`` left them; none: from the start), so the dead index
+    entries earlier leases left behind are not walked again (docs/design.md,
+    "Lease cursors"). Jobs that land behind a cursor are the caller's to
+    catch by dropping it. Phase 2, only for the slots phase 1 left, reclaims
+    expired leases (jobs_leased_idx), sending those out of attempts to dead.
+    One statement.
 
     One statement serves many agents that take the same kinds: the dispatcher
     lists each agent once per free credit, interleaved, and every job's
@@ -168,13 +177,15 @@ async def lease_slots(db: DB, kinds: Sequence[str], slots: Sequence[str], lease_
     n = len(slots)
     if n <= 0 or not kinds:
         return LeaseResult([])
-    rows = await db.fetch(queries["lease_slots"], list(kinds), n, list(slots), float(lease_seconds))
+    rows = await db.fetch(queries["lease_slots"], *lease_args(kinds, slots, lease_seconds, cursors))
     # UPDATE ... RETURNING does not keep the pick order: restore the slots' order
     # (pending by priority and id, then reclaimed ones by expiry).
     rows.sort(key=_BY_SLOT)
     jobs = [_leased(r) for r in rows if r["status"] == "leased"]  # the others went dead
-    picked = sum(r["phase"] == 1 for r in rows)
-    return LeaseResult(jobs, len(jobs) - picked, len(rows) - len(jobs), phase2_ran=picked < n)
+    picked = [r for r in rows if r["phase"] == 1]
+    last = {r["kind"]: (r["priority"], r["id"]) for r in picked}  # slot order: the last of each kind wins
+    return LeaseResult(jobs, len(jobs) - len(picked), len(rows) - len(jobs), phase2_ran=len(picked) < n,
+                       cursors=last)
 
 
 _BY_SLOT = operator.itemgetter("slot")
@@ -269,7 +280,7 @@ async def _move_and_notify(db: DB, name: str, *args: Any) -> Moved:
                   [r["id"] for r in rows if r["status"] == "dead"],
                   {r["kind"] for r in rows if r["status"] == "pending"})
     if moved.kinds:
-        await notify(db, moved.kinds)
+        await notify(db, moved.kinds, behind=True)
     return moved
 
 
@@ -295,9 +306,33 @@ async def promote_due(db: DB, limit: int = 1000) -> Moved:
     return await _move_and_notify(db, "promote_due", limit)
 
 
-async def notify(db: DB, kinds: Iterable[str]) -> None:
-    payload = ",".join(sorted(set(kinds)))
+async def notify(db: DB, kinds: Iterable[str], behind: bool = False) -> None:
+    """Wake the dispatchers for ``kinds``; ``behind``: the jobs went back to pending, behind
+    any lease cursor (``kind!``), so the next lease of the kind starts from the top."""
+    payload = ",".join(k + "!" if behind else k for k in sorted(set(kinds)))
     await db.execute(queries["notify"], payload if len(payload) <= 7000 else "*")
+
+
+@dataclass(frozen=True, slots=True)
+class Wakeup:
+    """A parsed notification: ``kinds`` -> the top priority inserted, or None when the jobs may
+    be behind a cursor (moved back to pending, or an old payload); ``every`` for '*'."""
+
+    kinds: dict[str, int | None]
+    every: bool = False
+
+
+def parse_wakeup(payload: str) -> Wakeup:
+    """``kind@priority`` (inserted, migration 0004), ``kind!`` (moved back), ``kind``, or ``*``."""
+    if payload == "*" or not payload:
+        return Wakeup({}, every=True)
+    kinds: dict[str, int | None] = {}
+    for entry in payload.split(","):
+        kind, _, top = entry.rstrip("!").partition("@")
+        priority = int(top) if top and not entry.endswith("!") else None
+        previous = kinds.get(kind, priority)
+        kinds[kind] = None if previous is None or priority is None else max(previous, priority)
+    return Wakeup(kinds)
 
 
 async def cancel(db: DB, job_id: int) -> bool:

@@ -19,7 +19,7 @@ async def test_a_1000_row_insert_raises_exactly_one_notification(live_conn, noti
     )
     got = await notifications.drain()
     assert len(got) == 1
-    assert sorted(got[0].split(",")) == ["render", "train"]
+    assert sorted(got[0].split(",")) == ["render@0", "train@0"]  # each kind with its top priority
 
 
 async def test_inserting_only_history_or_scheduled_rows_notifies_nothing(live_conn, notifications):
@@ -40,7 +40,7 @@ async def test_enqueue_many_returns_ids_in_order_with_one_notification(dsn, noti
     assert rows[ids[7]]["payload"] == '{"i": 7}' and rows[ids[7]]["priority"] == 1
     assert rows[ids[50]]["payload"] == "[1, 2]"
     got = await notifications.drain()
-    assert len(got) == 1 and sorted(got[0].split(",")) == ["render", "train"]
+    assert len(got) == 1 and sorted(got[0].split(",")) == ["render@0", "train@2"]
 
 
 async def test_delay_and_run_at_start_scheduled(conn):

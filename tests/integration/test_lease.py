@@ -3,7 +3,7 @@
 import asyncio
 import json
 
-from gpuq import plans, queue
+from gpuq import db, plans, queue
 from tests.helpers import add_pending, expire_leases, job, seed_history, wait_for
 
 LEASE = 30.0
@@ -241,3 +241,50 @@ async def test_autovacuum_clears_the_dead_entries_leases_leave_however_large_the
     await wait_for(vacuumed, timeout=90, interval=0.5)
     after, _, _ = await _phase1_buffers(live_conn, n=256)
     assert after <= clean + 8, (clean, dirty, after)
+
+
+async def test_a_lease_from_its_cursor_continues_where_the_last_one_ended(conn):
+    await conn.execute("INSERT INTO gpuq.jobs (kind, priority) SELECT 'train', (g % 3)::smallint "
+                       "FROM generate_series(1, 12) g")
+    order = [r["id"] for r in await conn.fetch(
+        "SELECT id FROM gpuq.jobs ORDER BY priority DESC, id")]
+    first = await queue.lease(conn, ["train"], 5, "a#1", LEASE)
+    assert [j.id for j in first.jobs] == order[:5]
+    last = first.jobs[-1]
+    assert first.cursors == {"train": (last.priority, last.id)}
+    second = await queue.lease_slots(conn, ["train"], ["a#1"] * 5, LEASE, first.cursors)
+    assert [j.id for j in second.jobs] == order[5:10]
+
+
+async def test_a_job_behind_the_cursor_waits_until_the_cursor_is_dropped(conn):
+    await add_pending(conn, 10)
+    first = await queue.lease(conn, ["train"], 4, "a#1", LEASE)
+    [urgent] = await add_pending(conn, 1, priority=9)  # a higher priority: behind the cursor
+    from_cursor = await queue.lease_slots(conn, ["train"], ["a#1"] * 2, LEASE, first.cursors)
+    assert urgent not in [j.id for j in from_cursor.jobs]
+    from_top = await queue.lease_slots(conn, ["train"], ["a#1"] * 2, LEASE)  # the dispatcher dropped it
+    assert [j.id for j in from_top.jobs][0] == urgent
+
+
+async def test_an_old_snapshot_cannot_slow_a_lease_that_starts_at_its_cursor(live_conn, dsn):
+    """A REPEATABLE READ transaction keeps every entry the leases leave dead in jobs_pending_idx;
+    a lease from the top walks them all, a lease from its cursor none (issue #14)."""
+    await add_pending(live_conn, 62_000)
+    await live_conn.execute("VACUUM ANALYZE gpuq.jobs")
+    holder = await db.connect(dsn, direct=True)
+    await holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    await holder.fetchval("SELECT count(*) FROM gpuq.jobs")
+    try:
+        start = plans.plan_buffers(await plans.explain_lease(live_conn, ["train"], 256), reads_only=True)
+        cursors: dict = {}
+        for _ in range(240):  # 61,440 jobs through, as a dispatcher leases them
+            got = await queue.lease_slots(live_conn, ["train"], ["a#1"] * 256, LEASE, cursors)
+            cursors.update(got.cursors)
+            await queue.complete_many(live_conn, [(j.id, j.lease_token, None) for j in got.jobs])
+        at_cursor = plans.plan_buffers(await plans.explain_lease(live_conn, ["train"], 256, cursors),
+                                       reads_only=True)
+        from_top = plans.plan_buffers(await plans.explain_lease(live_conn, ["train"], 256), reads_only=True)
+    finally:
+        await holder.close()
+    assert at_cursor <= 1.5 * start, (start, at_cursor)
+    assert from_top > 2 * start, (start, from_top)  # what the cursor saves

@@ -18,7 +18,7 @@ async def test_fresh_apply_creates_schema_and_partial_indexes(server_dsn):
             for r in await conn.fetch("SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'gpuq'")
         }
         assert "WHERE (status = 'pending'" in indexes["jobs_pending_idx"]
-        assert "(kind, priority DESC, id)" in indexes["jobs_pending_idx"]
+        assert "(kind, ((- priority)), id)" in indexes["jobs_pending_idx"]  # migration 0004
         assert "WHERE (status = 'leased'" in indexes["jobs_leased_idx"]
         assert "WHERE (status = 'scheduled'" in indexes["jobs_scheduled_idx"]
         assert await pending_migrations(conn) == []

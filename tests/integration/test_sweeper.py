@@ -18,7 +18,7 @@ async def test_retry_is_promoted_when_due_and_a_listener_hears_it(pool, notifica
         report = await sweeper.run_once()
         assert report["promoted"] == 1
         assert (await job(conn, j.id))["status"] == "pending"
-        assert await notifications.next() == "train"
+        assert await notifications.next() == "train!"
         [again] = (await queue.lease(conn, ["train"], 1, "b#1", 30)).jobs
         assert again.id == j.id and again.attempt == 2
 
@@ -37,7 +37,7 @@ async def test_sweeper_reclaims_expired_leases_in_bounded_batches(pool, notifica
             pass
         counts = dict(await conn.fetch("SELECT status::text, count(*) FROM gpuq.jobs GROUP BY 1"))
         assert counts == {"pending": 20, "dead": 5}
-        assert "train" in await notifications.drain()
+        assert "train!" in await notifications.drain()
 
 
 async def test_retention_deletes_only_old_history_in_windows(pool):

@@ -53,14 +53,15 @@ LEFT JOIN gpuq.jobs live ON ins.id IS NULL AND live.dedup_key = input.dedup_key
 ORDER BY input.ord;
 
 -- name: lease_slots
--- Lease up to $2 jobs of kinds $1, pending first (phase 1) then expired leases (phase 2); the i-th goes to slot $3[i].
+-- Lease up to $2 jobs of kinds $1, pending first (phase 1, each kind from its cursor: rank $5, id $6) then expired leases (phase 2); the i-th goes to slot $3[i].
 WITH picked AS (
     SELECT c.ctid, row_number() OVER (ORDER BY c.priority DESC, c.id) AS rn
-    FROM unnest($1::text[]) AS k(kind)
+    FROM unnest($1::text[], $5::int[], $6::bigint[]) AS k(kind, after_rank, after_id)
     CROSS JOIN LATERAL (
         SELECT ctid, id, priority FROM gpuq.jobs
         WHERE status = 'pending' AND kind = k.kind
-        ORDER BY priority DESC, id
+          AND (kind, -priority, id) > (k.kind, k.after_rank, k.after_id)
+        ORDER BY -priority, id
         LIMIT $2
         FOR UPDATE SKIP LOCKED
     ) c

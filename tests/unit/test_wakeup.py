@@ -1,0 +1,52 @@
+"""The NOTIFY payload's grammar: what each notification tells a dispatcher's lease cursors."""
+
+from gpuq.queue import Wakeup, parse_wakeup
+
+
+def test_inserted_kinds_carry_their_top_priority():
+    assert parse_wakeup("train@0,render@5") == Wakeup({"train": 0, "render": 5})
+
+
+def test_jobs_moved_back_are_behind_any_cursor():
+    assert parse_wakeup("train!,render@3") == Wakeup({"train": None, "render": 3})
+
+
+def test_a_kind_named_twice_keeps_the_stronger_signal():
+    assert parse_wakeup("a@1,a@4") == Wakeup({"a": 4})
+    assert parse_wakeup("a@4,a!") == Wakeup({"a": None})
+    assert parse_wakeup("a!,a@4") == Wakeup({"a": None})
+
+
+def test_a_bare_kind_or_a_star():
+    assert parse_wakeup("legacy") == Wakeup({"legacy": None})  # no priority: assume behind
+    assert parse_wakeup("*") == Wakeup({}, every=True)
+    assert parse_wakeup("") == Wakeup({}, every=True)
+
+
+def dispatcher():
+    from gpuq.config import ServerConfig
+    from gpuq.dispatcher import Dispatcher
+
+    return Dispatcher(None, ServerConfig(database_url="postgresql://unused", poll_seconds=2))
+
+
+async def test_a_notification_drops_the_cursors_it_puts_jobs_behind():
+    d = dispatcher()
+    d._cursors = {"a": (0, 50), "b": (0, 50), "c": (5, 50), "d": (0, 9)}
+    d._on_notify(None, 0, "gpuq_jobs", "a@0,b@3,c!,other@1")
+    # a@0: new jobs of the cursor's priority land ahead of it; b@3: above it; c!: moved back
+    assert d._cursors == {"a": (0, 50), "d": (0, 9)}
+    assert {"a", "b", "c", "other"} <= d._notified
+
+
+async def test_cursors_are_dropped_every_poll_interval_whatever_is_announced():
+    import time
+
+    d = dispatcher()
+    d._notified_all = False
+    d._cursors = {"a": (0, 50)}
+    await d._lease_pass()  # nothing connected: only the bookkeeping runs
+    assert d._cursors == {"a": (0, 50)}
+    d._cursors_since = time.monotonic() - 3  # past poll_seconds
+    await d._lease_pass()
+    assert d._cursors == {}
