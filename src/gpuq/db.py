@@ -10,6 +10,7 @@ cache, and run each statement in a transaction that sets the guards first
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
@@ -53,7 +54,8 @@ class Guarded:
 
     async def _run(self, method: str, query: str, args: tuple[Any, ...]) -> Any:
         is_pool = isinstance(self.inner, asyncpg.Pool)
-        async with self.inner.acquire() if is_pool else _Borrowed(self.inner) as conn, conn.transaction():
+        async with self.inner.acquire() if is_pool else contextlib.nullcontext(self.inner) as conn, \
+                conn.transaction():
             await conn.execute(queries["plan_guards"])
             return await getattr(conn, method)(query, *args)
 
@@ -68,19 +70,6 @@ class Guarded:
 
     async def execute(self, query: str, *args: Any) -> Any:
         return await self._run("execute", query, args)
-
-
-class _Borrowed:
-    """A connection as an async context manager that leaves it open."""
-
-    def __init__(self, conn: Any):
-        self.conn = conn
-
-    async def __aenter__(self) -> Any:
-        return self.conn
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
 
 
 async def _keep_session(_conn: asyncpg.Connection) -> None:
