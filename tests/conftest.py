@@ -25,7 +25,7 @@ from gpuq import db
 from gpuq.devdb import Cluster, DevDBError, throwaway_cluster
 from gpuq.devpooler import Bouncer
 from gpuq.migrate import migrate
-from gpuq.queue import NOTIFY_CHANNEL
+from gpuq.queue import NOTIFY_CHANNEL, arm_wakeups
 
 
 @pytest.fixture(scope="session")
@@ -117,6 +117,7 @@ async def notifications(dsn: str) -> AsyncIterator[Notifications]:
     n = Notifications()
     c = await db.connect(dsn)
     await c.add_listener(NOTIFY_CHANNEL, n._on_notify)
+    await arm_wakeups(c, 600_000)  # like a waiting dispatcher: inserts notify (docs/design.md, "Wake-ups")
     try:
         yield n
     finally:

@@ -127,6 +127,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("poll_seconds", "GPUQ_POLL_SECONDS", 2.0, parse_duration,
             "lease poll while agents have free credit (a lost NOTIFY costs at most this)",
             {SERVE: "--poll-seconds"}),
+    Setting("busy_poll_seconds", "GPUQ_BUSY_POLL_SECONDS", 0.005, parse_duration,
+            "while polls keep finding work the dispatcher polls this often and producers do not "
+            "NOTIFY (their commits are not serialized); it asks for wake-ups once a poll finds none",
+            {SERVE: "--busy-poll-seconds"}),
     Setting("sweep_seconds", "GPUQ_SWEEP_SECONDS", 2.0, parse_duration,
             "interval of the maintenance services (reclaim, promote, retention)",
             {"sweep": "--interval"}, used_by="serve, sweep"),
@@ -220,6 +224,7 @@ class ServerConfig:
     lease_seconds: float = default("lease_seconds")
     heartbeat_seconds: float = default("heartbeat_seconds")
     poll_seconds: float = default("poll_seconds")
+    busy_poll_seconds: float = default("busy_poll_seconds")
     max_payload: int = default("max_payload")
     max_batch: int = default("max_batch")
     sweep_seconds: float = default("sweep_seconds")
@@ -230,7 +235,7 @@ class ServerConfig:
     max_messages_per_second: int = default("max_messages_per_second")
 
     def __post_init__(self) -> None:
-        for name in ("lease_seconds", "heartbeat_seconds", "poll_seconds", "sweep_seconds", "drain_seconds"):
+        for name in ("lease_seconds", "heartbeat_seconds", "poll_seconds", "busy_poll_seconds", "sweep_seconds", "drain_seconds"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
         if self.heartbeat_seconds >= self.lease_seconds:

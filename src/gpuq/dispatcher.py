@@ -14,6 +14,10 @@ Three loops run in one task group:
   pushes each job to the agent named in its ``leased_by``. It wakes on a
   notification, on freed credit, on a new agent, and on a poll timer while
   any agent has free credit: no notification is needed for correctness.
+  While passes keep finding work it polls every ``busy_poll_seconds`` and
+  producers do not NOTIFY; before it waits it arms the wake-up mark, the
+  handshake in docs/design.md ("Wake-ups") that makes a lost wake-up
+  impossible.
 - ``Completer`` (completer.py): results are batched into one ``complete_many``
   (and one ``fail_many``) per flush and acknowledged to agents only after commit.
 """
@@ -41,6 +45,18 @@ from gpuq.queue import Backoff
 from gpuq.sql import queries
 
 log = logs.get("dispatcher")
+
+# How long one arm of the wake-up mark asks producers to NOTIFY; an idle
+# dispatcher arms again when half of it is left.
+WAKE_MARK_MS = 1000
+# How often a dispatcher that found stragglers checks whether they have ended.
+STRAGGLER_POLL_SECONDS = 0.001
+# Cursors start from the top again every this many polls: what no notification
+# announces (rows another lease skipped while locked, a job inserted above a
+# floor while the floor moved) waits at most this long. Poll-only: every poll.
+REWIND_POLLS = 10
+# How often the dispatcher looks for a newer settled id (docs/design.md, "Lease cursors").
+SETTLE_SECONDS = 0.01
 
 
 @dataclass(eq=False)
@@ -98,6 +114,18 @@ class Dispatcher:
         self._wake = anyio.Event()
         self._notified: set[str] = set()  # kinds with new work since the last pass
         self._notified_all = True  # lease for every group (start, reconnect, poll)
+        self._rewind_all = True  # drop every cursor before the next pass (start, reconnect, '*')
+        # Polling mode: jobs found since the last poll, or by it. Polls every busy_poll_seconds;
+        # the wake-up mark is not renewed, so producers stop notifying. Ends at a poll that finds none.
+        self._busy = False
+        self._polled_at = 0.0  # monotonic time of the last pass over every group
+        # The wake-up handshake (docs/design.md, "Wake-ups").
+        self._listen_pid: int | None = None  # our LISTEN connection's backend pid
+        self._mark_seen = 0  # the mark (server ms) our last arm left; 0: none to rely on
+        self._arm_at = 0.0  # monotonic: arm again from here on
+        self._stragglers: list[str] = []  # transactions to see end before the owed pass
+        self._owe_pass = False  # a pass over every group is due once the stragglers end
+        self._floors: dict[str, int] = {}  # kind -> priority recorded in gpuq.lease_floors
         self._credit: set[frozenset[str]] = set()  # groups whose agents freed credit
         self._empty: set[frozenset[str]] = set()  # groups whose last lease came up short
         self._rotation = 0
@@ -106,6 +134,11 @@ class Dispatcher:
         self._cursors: dict[str, tuple[int, int]] = {}
         self._cursors_since = time.monotonic()
         self._rewinds = 0  # cursors dropped by notifications so far
+        # Every job id up to _settled committed or rolled back: cursors may pass it.
+        # _horizon: a newer candidate, settled once its writers have ended.
+        self._settled = 0
+        self._horizon: tuple[int, list[str]] | None = None
+        self._settle_at = 0.0
 
     # -- agents ----------------------------------------------------------
 
@@ -164,7 +197,7 @@ class Dispatcher:
         metrics.NOTIFICATIONS.inc()
         wakeup = queue.parse_wakeup(payload)
         if wakeup.every:
-            self._notified_all = True
+            self.wake_all(rewind=True)
         for kind, top in wakeup.kinds.items():
             self._notified.add(kind)
             cursor = self._cursors.get(kind)
@@ -173,8 +206,10 @@ class Dispatcher:
                 self._rewinds += 1
         self._wake.set()
 
-    def wake_all(self) -> None:
+    def wake_all(self, rewind: bool = False) -> None:
+        """Lease for every group on the next pass; ``rewind``: from the top of every kind."""
         self._notified_all = True
+        self._rewind_all = self._rewind_all or rewind
         self._wake.set()
 
     # -- loops -----------------------------------------------------------
@@ -199,9 +234,13 @@ class Dispatcher:
             lost = anyio.Event()
             conn.add_termination_listener(lambda _c, lost=lost: lost.set())
             await conn.add_listener(queue.NOTIFY_CHANNEL, self._on_notify)
+            self._listen_pid = conn.get_server_pid()
+            await queue.clear_floors(self.pool, self._listen_pid)  # ours from before, and the dead's
+            self._floors.clear()
+            self._mark_seen, self._arm_at = 0, 0.0  # notifications were lost: a full handshake
             self.listening = True
             log.info("listen.connected", channel=queue.NOTIFY_CHANNEL)
-            self.wake_all()  # anything inserted while we were not listening
+            self.wake_all(rewind=True)  # anything inserted while we were not listening
             while not lost.is_set():
                 with anyio.move_on_after(5):
                     await lost.wait()
@@ -217,16 +256,58 @@ class Dispatcher:
                         until=lambda: self.stopping)
 
     async def _lease_once(self) -> None:
-        """Wait for a reason to lease (a notification, freed credit, the poll timer), then lease."""
+        """Wait for a reason to lease (a notification, freed credit, a poll), then lease."""
+        polled = False
         if not self._wake.is_set():
-            poll = self.config.poll_seconds if self._any_free() else None
-            with anyio.move_on_after(poll) as scope:
+            timeout = await self._wait_limit()
+            with anyio.move_on_after(timeout) as scope:
                 await self._wake.wait()
             if scope.cancelled_caught:
-                self._notified_all = True  # poll: look at every group
+                if not self._poll_due():
+                    return  # only the mark to arm again, or stragglers to check
+                self._notified_all = polled = True  # poll: look at every group
         self._wake = anyio.Event()  # wakes during the pass trigger another pass
         if not self.stopping:
-            await self._lease_pass()
+            await self._lease_pass(polled)
+
+    async def _wait_limit(self) -> float | None:
+        """How long the lease loop may wait for a wake-up (None: until one comes).
+
+        Waiting on notifications with free credit needs a valid wake-up mark,
+        and after the mark lapsed, a pass over every group once the stragglers
+        have ended (docs/design.md, "Wake-ups").
+        """
+        if not self._any_free():
+            return None  # only freed credit gives it something to do
+        if self._busy:
+            return self.config.busy_poll_seconds  # work keeps coming: poll, producers need not notify
+        if not self.listening:
+            return self.config.poll_seconds  # poll only (a pooled URL), or LISTEN lost
+        now = time.monotonic()
+        if now >= self._arm_at:
+            await self._arm(now)
+        if self._owe_pass:
+            if self._stragglers:
+                self._stragglers = await queue.stragglers_left(self.pool, self._stragglers)
+            if self._stragglers:
+                return STRAGGLER_POLL_SECONDS
+            self._owe_pass = False
+            self._notified_all = True
+            self._polled_at = 0.0  # the pass is due now, even if a wake-up comes first
+            return 0
+        return max(0.0, min(self._arm_at, self._polled_at + self.config.poll_seconds) - now)
+
+    async def _arm(self, now: float) -> None:
+        armed = await queue.arm_wakeups(self.pool, WAKE_MARK_MS)
+        lapsed = armed.now_ms >= self._mark_seen  # producers may have skipped NOTIFY since our last arm
+        metrics.WAKEUP_ARMS.labels(lapsed=str(lapsed).lower()).inc()
+        self._mark_seen = armed.until
+        self._arm_at = now + (armed.until - armed.now_ms) / 2000  # half the mark's life left
+        if lapsed:
+            self._stragglers, self._owe_pass = armed.stragglers, True
+
+    def _poll_due(self) -> bool:
+        return self._busy or not self.listening or time.monotonic() - self._polled_at >= self.config.poll_seconds
 
     def _lease_failed(self, exc: BaseException, retry_in: float) -> None:
         log.warning("lease.failed", error=str(exc), retry_in=retry_in)
@@ -235,15 +316,20 @@ class Dispatcher:
     def _any_free(self) -> bool:
         return any(s.free for s in self.sessions.values())
 
-    async def _lease_pass(self) -> None:
+    async def _lease_pass(self, polled: bool = False) -> None:
         notified, self._notified = self._notified, set()
         notified_all, self._notified_all = self._notified_all, False
+        rewind_all, self._rewind_all = self._rewind_all, False
         credit, self._credit = self._credit, set()
-        if notified_all or time.monotonic() - self._cursors_since > self.config.poll_seconds:
-            # What no notification announces (a lost one, rows another lease skipped
-            # while locked, poll-only mode) waits at most this long behind a cursor.
+        now = time.monotonic()
+        if notified_all:
+            self._polled_at = now
+        rewind_every = self.config.poll_seconds * (REWIND_POLLS if self.listening else 1)
+        if rewind_all or now - self._cursors_since > rewind_every:
             self._cursors.clear()
-            self._cursors_since = time.monotonic()
+            self._cursors_since = now
+        if polled:
+            self._busy = False  # each poll decides again (passes woken by notifications only add)
         groups: dict[frozenset[str], list[AgentSession]] = {}
         for s in self.sessions.values():
             if s.free:
@@ -266,12 +352,15 @@ class Dispatcher:
             slots = _interleave(members, self.config.max_batch)
             if not slots:
                 return
+            await self._settle()
             rewinds = self._rewinds
             with metrics.LEASE_SECONDS.time():
                 result = await queue.lease_slots(self.pool, sorted(kinds), slots, self.config.lease_seconds,
-                                                 self._cursors)
+                                                 self._cursors, self._settled)
             if rewinds == self._rewinds:  # else a drop arrived during the lease: keep it
                 self._cursors.update(result.cursors)
+                await self._record_floors(result.cursors)
+            self._busy = self._busy or bool(result.jobs)
             self._deliver(result.jobs)
             if result.jobs or result.dead:
                 log.info("lease.batch", batch=len(result.jobs), requested=len(slots), kinds=sorted(kinds),
@@ -280,6 +369,30 @@ class Dispatcher:
             if len(result.jobs) < len(slots):
                 self._empty.add(kinds)
                 return
+
+    async def _settle(self) -> None:
+        """Move ``_settled`` up: a horizon (the last id drawn) settles once its writers have ended."""
+        now = time.monotonic()
+        if now < self._settle_at:
+            return
+        self._settle_at = now + SETTLE_SECONDS
+        if self._horizon is not None:
+            last_id, writers = self._horizon
+            if writers and await queue.stragglers_left(self.pool, writers):
+                return
+            self._settled = max(self._settled, last_id)
+        last_id, writers = await queue.insert_horizon(self.pool)
+        if writers:
+            self._horizon = (last_id, writers)
+        else:
+            self._settled, self._horizon = max(self._settled, last_id), None
+
+    async def _record_floors(self, cursors: dict[str, tuple[int, int]]) -> None:
+        """Inserts above the priority a cursor reached must notify: record where it moved."""
+        moved = {k: p for k, (p, _id) in cursors.items() if self._floors.get(k) != p}
+        if moved and self._listen_pid is not None:
+            await queue.set_floors(self.pool, self._listen_pid, moved)
+            self._floors.update(moved)
 
     def _deliver(self, jobs: list[queue.LeasedJob]) -> None:
         by_session: dict[str, list[queue.LeasedJob]] = {}

@@ -32,4 +32,7 @@ SWEEP_DEAD = Counter("gpuq_sweeper_dead", "Expired leases with no attempts left,
 SWEEP_PROMOTED = Counter("gpuq_sweeper_promoted", "Scheduled jobs promoted to pending", registry=REGISTRY)
 SWEEP_PRUNED = Counter("gpuq_sweeper_pruned", "Done/dead rows deleted by retention", registry=REGISTRY)
 NOTIFICATIONS = Counter("gpuq_notifications", "NOTIFY messages received", registry=REGISTRY)
+WAKEUP_ARMS = Counter("gpuq_wakeup_arms", "Times the dispatcher asked producers to NOTIFY; lapsed=true: "
+                      "after the mark had lapsed, so it saw the stragglers end and leased once more",
+                      ["lapsed"], registry=REGISTRY)
 PROTOCOL_ERRORS = Counter("gpuq_protocol_errors", "Agent messages refused", ["code"], registry=REGISTRY)

@@ -157,15 +157,19 @@ async def lease(db: DB, kinds: Sequence[str], n: int, agent: str, lease_seconds:
 
 
 async def lease_slots(db: DB, kinds: Sequence[str], slots: Sequence[str], lease_seconds: float,
-                      cursors: Mapping[str, tuple[int, int]] | None = None) -> LeaseResult:
+                      cursors: Mapping[str, tuple[int, int]] | None = None,
+                      settled: int | None = None) -> LeaseResult:
     """Lease up to ``len(slots)`` jobs of ``kinds``; the i-th job leased goes to ``slots[i]``.
 
     Phase 1 claims pending rows (jobs_pending_idx, priority then id, SKIP
     LOCKED), for each kind from its cursor on (``cursors``, as the last
     result's ``cursors`` left them; none: from the start), so the dead index
     entries earlier leases left behind are not walked again (docs/design.md,
-    "Lease cursors"). Jobs that land behind a cursor are the caller's to
-    catch by dropping it. Phase 2, only for the slots phase 1 left, reclaims
+    "Lease cursors"). Ids are drawn at insert, not at commit, so a job can
+    commit behind a cursor: the cursors returned never pass ``settled``, an
+    id up to which every job had committed or rolled back before this lease
+    began (``insert_horizon``); None: no insert can be in flight. Other jobs
+    that land behind a cursor are the caller's to catch by dropping it. Phase 2, only for the slots phase 1 left, reclaims
     expired leases (jobs_leased_idx), sending those out of attempts to dead.
     One statement.
 
@@ -184,6 +188,13 @@ async def lease_slots(db: DB, kinds: Sequence[str], slots: Sequence[str], lease_
     jobs = [_leased(r) for r in rows if r["status"] == "leased"]  # the others went dead
     picked = [r for r in rows if r["phase"] == 1]
     last = {r["kind"]: (r["priority"], r["id"]) for r in picked}  # slot order: the last of each kind wins
+    if settled is not None:
+        first = {r["kind"]: r["priority"] for r in reversed(picked)}
+        for kind, (priority, job_id) in last.items():
+            # Not past an unsettled id of the level the walk started in.
+            start = cursors[kind][0] if cursors and kind in cursors else first[kind]
+            if (-priority, job_id) > (-start, settled):
+                last[kind] = (start, settled)
     return LeaseResult(jobs, len(jobs) - len(picked), len(rows) - len(jobs), phase2_ran=len(picked) < n,
                        cursors=last)
 
@@ -333,6 +344,44 @@ def parse_wakeup(payload: str) -> Wakeup:
         previous = kinds.get(kind, priority)
         kinds[kind] = None if previous is None or priority is None else max(previous, priority)
     return Wakeup(kinds)
+
+
+@dataclass(frozen=True, slots=True)
+class Armed:
+    """What ``arm_wakeups`` found: the server's clock and the wake-up mark before and after
+    (epoch ms), and the transactions that may have inserted without seeing the new mark."""
+
+    now_ms: int
+    previous: int
+    until: int
+    stragglers: list[str]
+
+
+async def arm_wakeups(db: DB, ttl_ms: int) -> Armed:
+    """Ask producers to NOTIFY for the next ``ttl_ms`` (docs/design.md, "Wake-ups")."""
+    row = await db.fetchrow(queries["arm_wakeups"], ttl_ms)
+    return Armed(row["now_ms"], row["previous"], row["until"], list(row["stragglers"]))
+
+
+async def insert_horizon(db: DB) -> tuple[int, list[str]]:
+    """The highest job id drawn, and the transactions that must end before it is settled."""
+    row = await db.fetchrow(queries["insert_horizon"])
+    return row["last_id"], list(row["writers"])
+
+
+async def stragglers_left(db: DB, xids: Sequence[str]) -> list[str]:
+    """Those of the transactions ``xids`` that have not ended."""
+    return list(await db.fetchval(queries["stragglers_left"], list(xids)))
+
+
+async def set_floors(db: DB, dispatcher: int, floors: Mapping[str, int]) -> None:
+    """Record the priorities the dispatcher's lease cursors reached: inserts above them notify."""
+    await db.execute(queries["set_floors"], dispatcher, list(floors), list(floors.values()))
+
+
+async def clear_floors(db: DB, dispatcher: int) -> None:
+    """Drop a dispatcher's lease floors, and those of dispatchers that are gone."""
+    await db.execute(queries["clear_floors"], dispatcher)
 
 
 async def cancel(db: DB, job_id: int) -> bool:

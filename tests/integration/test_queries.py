@@ -13,7 +13,8 @@ NAMES = {
     "release_agent", "release_jobs", "reclaim_expired", "promote_due", "notify", "cancel",
     "prune_window", "min_job_id", "status_counts", "table_estimate", "ping", "plan_guards",
     "migrations_lock", "migrations_unlock", "migrations_bootstrap", "migrations_tracked",
-    "migrations_applied", "migration_record",
+    "migrations_applied", "migration_record", "arm_wakeups", "stragglers_left", "set_floors",
+    "clear_floors", "insert_horizon",
 }
 MULTI_STATEMENT = {"migrations_bootstrap", "plan_guards"}  # run as a simple query, never prepared
 

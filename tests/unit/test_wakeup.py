@@ -39,14 +39,42 @@ async def test_a_notification_drops_the_cursors_it_puts_jobs_behind():
     assert {"a", "b", "c", "other"} <= d._notified
 
 
-async def test_cursors_are_dropped_every_poll_interval_whatever_is_announced():
+async def test_cursors_are_dropped_every_poll_while_polling_only():
     import time
 
     d = dispatcher()
-    d._notified_all = False
+    d._notified_all = d._rewind_all = False
     d._cursors = {"a": (0, 50)}
     await d._lease_pass()  # nothing connected: only the bookkeeping runs
     assert d._cursors == {"a": (0, 50)}
     d._cursors_since = time.monotonic() - 3  # past poll_seconds
+    await d._lease_pass()
+    assert d._cursors == {}
+
+
+async def test_a_listening_dispatcher_keeps_its_cursors_through_polls_for_rewind_polls():
+    import time
+
+    from gpuq.dispatcher import REWIND_POLLS
+
+    d = dispatcher()
+    d.listening = True
+    d._rewind_all = False
+    d._cursors = {"a": (0, 50)}
+    d._cursors_since = time.monotonic() - 3  # past poll_seconds, not past REWIND_POLLS of them
+    d.wake_all()  # a poll looks at every group: it does not rewind
+    await d._lease_pass()
+    assert d._cursors == {"a": (0, 50)}
+    d._cursors_since = time.monotonic() - 2 * REWIND_POLLS - 1
+    await d._lease_pass()
+    assert d._cursors == {}
+
+
+async def test_a_reconnect_or_a_star_rewinds_every_cursor():
+    d = dispatcher()
+    d.listening = True
+    d._rewind_all = False
+    d._cursors = {"a": (0, 50)}
+    d._on_notify(None, 0, "gpuq_jobs", "*")
     await d._lease_pass()
     assert d._cursors == {}

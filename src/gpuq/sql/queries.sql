@@ -174,6 +174,30 @@ RETURNING j.id, j.kind, j.status;
 -- Wake the dispatchers for the comma-joined kinds $1 ('*': every kind).
 SELECT pg_notify('gpuq_jobs', $1);
 
+-- name: arm_wakeups
+-- Declare a dispatcher waiting for $1 ms: the clock, the mark before and after, and the transactions to see end first.
+SELECT now_ms, previous, until, stragglers FROM gpuq.arm_wakeups($1);
+
+-- name: insert_horizon
+-- The highest job id drawn, and the transactions to see end before a lease cursor may pass it.
+SELECT last_id, writers FROM gpuq.insert_horizon();
+
+-- name: stragglers_left
+-- Of the transaction ids $1, those still running.
+SELECT coalesce(array_agg(DISTINCT transactionid::text), '{}') FROM pg_locks
+WHERE locktype = 'transactionid' AND transactionid::text = ANY($1::text[]);
+
+-- name: set_floors
+-- Dispatcher $1's lease cursors reached priorities $3 in kinds $2: inserts above them notify.
+INSERT INTO gpuq.lease_floors (kind, dispatcher, priority)
+SELECT kind, $1, priority FROM unnest($2::text[], $3::smallint[]) AS f(kind, priority)
+ON CONFLICT (kind, dispatcher) DO UPDATE SET priority = excluded.priority;
+
+-- name: clear_floors
+-- Remove dispatcher $1's lease floors and those of dispatchers whose connection is gone.
+DELETE FROM gpuq.lease_floors
+WHERE dispatcher = $1 OR dispatcher NOT IN (SELECT pid FROM pg_stat_activity WHERE pid IS NOT NULL);
+
 -- name: cancel
 -- Cancel a live job: it becomes dead, and a running agent's result is then fenced out.
 UPDATE gpuq.jobs

@@ -1,0 +1,186 @@
+"""Wake-ups that do not serialize producers: the mark, the lease floors, the handshake.
+
+docs/design.md ("Wake-ups") has the argument these tests check: inserts NOTIFY
+only while a dispatcher waits (or above a lease floor), and a dispatcher that
+goes idle while producers commit loses no wake-up, so no job waits for a poll.
+"""
+
+import asyncio
+import random
+
+import anyio
+import asyncpg
+
+from gpuq import db, metrics, queue
+from gpuq.harness import running_server
+from tests.conftest import Notifications
+
+MARK_LAPSED = "SELECT last_value < (extract(epoch FROM clock_timestamp()) * 1000)::bigint FROM gpuq.wake_until"
+INSERT_IF_LAPSED = """
+WITH i AS (INSERT INTO gpuq.jobs (kind) SELECT 'slow' WHERE (
+    SELECT last_value < (extract(epoch FROM clock_timestamp()) * 1000)::bigint FROM gpuq.wake_until)
+    RETURNING 1)
+SELECT count(*) FROM i"""
+
+
+async def listening(dsn: str) -> tuple[asyncpg.Connection, Notifications]:
+    """A LISTEN connection that has not armed the mark: it sees what producers send on their own."""
+    n = Notifications()
+    c = await db.connect(dsn)
+    await c.add_listener(queue.NOTIFY_CHANNEL, n._on_notify)
+    return c, n
+
+
+async def test_inserts_do_not_notify_while_no_dispatcher_waits(dsn, live_conn):
+    c, got = await listening(dsn)
+    try:
+        await live_conn.execute("INSERT INTO gpuq.jobs (kind) VALUES ('train')")
+        assert await got.drain() == []
+        await queue.arm_wakeups(live_conn, 60_000)
+        await live_conn.execute("INSERT INTO gpuq.jobs (kind) VALUES ('train')")
+        assert await got.drain() == ["train@0"]
+    finally:
+        await c.close()
+
+
+async def test_the_mark_lapses_and_never_moves_back(dsn, live_conn):
+    c, got = await listening(dsn)
+    try:
+        first = await queue.arm_wakeups(live_conn, 300)
+        second = await queue.arm_wakeups(live_conn, 1)  # a shorter arm keeps the later mark
+        assert second.until == first.until and second.previous == first.until
+        await live_conn.execute("INSERT INTO gpuq.jobs (kind) VALUES ('a')")
+        assert await got.drain(0.1) == ["a@0"]
+        while not await live_conn.fetchval(MARK_LAPSED):
+            await anyio.sleep(0.05)
+        await live_conn.execute("INSERT INTO gpuq.jobs (kind) VALUES ('a')")
+        assert await got.drain() == []
+    finally:
+        await c.close()
+
+
+async def test_an_insert_above_a_lease_floor_notifies_while_nobody_waits(dsn, live_conn):
+    c, got = await listening(dsn)
+    try:
+        await queue.set_floors(live_conn, c.get_server_pid(), {"a": 0})
+        await live_conn.execute("INSERT INTO gpuq.jobs (kind, priority) VALUES ('a', 0), ('b', 7)")
+        assert await got.drain() == []  # ahead of the cursor, or no cursor in b
+        await live_conn.execute("INSERT INTO gpuq.jobs (kind, priority) VALUES ('a', 3), ('b', 7)")
+        assert await got.drain() == ["a@3"]  # behind a's cursor: the dispatcher must rewind
+    finally:
+        await c.close()
+
+
+async def test_floors_of_gone_dispatchers_are_cleared(live_conn):
+    me = live_conn.get_server_pid()
+    await queue.set_floors(live_conn, 2_000_000_000, {"a": 0})  # no such backend
+    await queue.set_floors(live_conn, me, {"a": 1, "b": -2})
+    assert await live_conn.fetchval("SELECT count(*) FROM gpuq.lease_floors") == 3
+    await queue.clear_floors(live_conn, 0)
+    assert await live_conn.fetch("SELECT kind, priority FROM gpuq.lease_floors ORDER BY kind") == [
+        ("a", 1), ("b", -2)]
+
+
+async def test_arming_names_the_writers_of_jobs_still_open(dsn, live_conn):
+    producer = await db.connect(dsn)
+    try:
+        tx = producer.transaction()
+        await tx.start()
+        await producer.execute("INSERT INTO gpuq.jobs (kind) VALUES ('train')")
+        xid = await producer.fetchval("SELECT backend_xid::text FROM pg_stat_activity WHERE pid = pg_backend_pid()")
+        armed = await queue.arm_wakeups(live_conn, 1000)
+        assert xid in armed.stragglers
+        assert xid in await queue.stragglers_left(live_conn, armed.stragglers)
+        await tx.commit()
+        assert await queue.stragglers_left(live_conn, armed.stragglers) == []
+    finally:
+        await producer.close()
+
+
+def lapsed_arms() -> float:
+    return metrics.REGISTRY.get_sample_value("gpuq_wakeup_arms_total", {"lapsed": "true"}) or 0.0
+
+
+async def test_a_job_committed_as_the_dispatcher_goes_idle_needs_no_poll(dsn, pool, monkeypatch):
+    """The race itself: an insert reads a lapsed mark (no NOTIFY) while the
+    dispatcher is busy, then commits only after the dispatcher has gone idle.
+    The poll is a minute away, so only the handshake can deliver it in time."""
+    monkeypatch.setattr("gpuq.dispatcher.WAKE_MARK_MS", 300)  # lapses within the busy stream
+    delivered: dict[str, anyio.Event] = {"slow": anyio.Event()}
+
+    async def handle(job):
+        if job.kind == "slow":
+            delivered["slow"].set()
+
+    listener, got = await listening(dsn)
+    stream_done = anyio.Event()
+
+    async def stream() -> None:  # keeps the dispatcher busy, so it does not arm
+        with anyio.move_on_after(10):
+            while not stream_done.is_set():
+                await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('fast')")
+                await anyio.sleep(0.002)
+
+    try:
+        # Busy polls far apart enough that each finds some of the stream's jobs.
+        async with running_server(dsn, poll_seconds=60, busy_poll_seconds=0.03) as srv:
+            await srv.agent(["fast", "slow"], 64, handle)
+            before = lapsed_arms()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(stream)
+                slow = await pool.acquire()
+                try:
+                    with anyio.fail_after(10):  # insert only while the mark is lapsed before and after
+                        while True:
+                            tx = slow.transaction()
+                            await tx.start()
+                            if await slow.fetchval(INSERT_IF_LAPSED) and await slow.fetchval(MARK_LAPSED):
+                                break  # the mark only moves forward, by more than this took: no NOTIFY
+                            await tx.rollback()
+                            await anyio.sleep(0.01)
+                    await anyio.sleep(0.05)
+                    stream_done.set()  # the dispatcher finds no more work and goes idle
+                    await anyio.sleep(0.2)  # ...and waits on its stragglers
+                    await tx.commit()
+                finally:
+                    await pool.release(slow)
+            with anyio.fail_after(5):
+                await delivered["slow"].wait()
+            assert lapsed_arms() > before
+        assert not any("slow" in p for p in await got.drain(0.1)), "the race was not exercised"
+    finally:
+        await listener.close()
+
+
+async def test_producers_racing_an_idling_dispatcher_lose_no_wake_up(dsn, pool, monkeypatch):
+    """Many producers, bursts and gaps, transactions held open a little: every
+    job arrives within seconds although the poll is a minute away."""
+    monkeypatch.setattr("gpuq.dispatcher.WAKE_MARK_MS", 30)
+    seen: set[int] = set()
+    all_seen = anyio.Event()
+    total = 8 * 40
+
+    async def handle(job):
+        seen.add(job.id)
+        if len(seen) == total:
+            all_seen.set()
+
+    async def producer(rng: random.Random) -> None:
+        async with pool.acquire() as c:
+            for _ in range(40):
+                async with c.transaction():
+                    await c.execute("INSERT INTO gpuq.jobs (kind) VALUES ('work')")
+                    if rng.random() < 0.3:
+                        await asyncio.sleep(rng.uniform(0, 0.03))  # commit late: a straggler
+                await asyncio.sleep(rng.choice([0, 0.001, 0.005, 0.02, 0.06]))  # bursts and idle gaps
+
+    async with running_server(dsn, poll_seconds=60) as srv:
+        await srv.agent(["work"], 32, handle)
+        async with anyio.create_task_group() as tg:
+            for seed in range(8):
+                tg.start_soon(producer, random.Random(seed))
+        with anyio.move_on_after(10):
+            await all_seen.wait()
+        missing = set(range(1, total + 1)) - seen
+        rows = await pool.fetch("SELECT id, status FROM gpuq.jobs WHERE id = ANY($1::bigint[])", list(missing))
+        assert not missing, (len(seen), rows)
