@@ -126,6 +126,8 @@ class Dispatcher:
         self._stragglers: list[str] = []  # transactions to see end before the owed pass
         self._owe_pass = False  # a pass over every group is due once the stragglers end
         self._floors: dict[str, int] = {}  # kind -> priority recorded in gpuq.lease_floors
+        # Floors lowered (or new): kinds to start from the top once these writers have ended.
+        self._confirm: list[tuple[set[str], list[str]]] = []
         self._credit: set[frozenset[str]] = set()  # groups whose agents freed credit
         self._empty: set[frozenset[str]] = set()  # groups whose last lease came up short
         self._rotation = 0
@@ -237,6 +239,7 @@ class Dispatcher:
             self._listen_pid = conn.get_server_pid()
             await queue.clear_floors(self.pool, self._listen_pid)  # ours from before, and the dead's
             self._floors.clear()
+            self._confirm.clear()
             self._mark_seen, self._arm_at = 0, 0.0  # notifications were lost: a full handshake
             self.listening = True
             log.info("listen.connected", channel=queue.NOTIFY_CHANNEL)
@@ -317,6 +320,8 @@ class Dispatcher:
         return any(s.free for s in self.sessions.values())
 
     async def _lease_pass(self, polled: bool = False) -> None:
+        if self._confirm:
+            await self._confirm_floors()
         notified, self._notified = self._notified, set()
         notified_all, self._notified_all = self._notified_all, False
         rewind_all, self._rewind_all = self._rewind_all, False
@@ -388,11 +393,36 @@ class Dispatcher:
             self._settled, self._horizon = max(self._settled, last_id), None
 
     async def _record_floors(self, cursors: dict[str, tuple[int, int]]) -> None:
-        """Inserts above the priority a cursor reached must notify: record where it moved."""
+        """Inserts above the priority a cursor reached must notify: record where it moved.
+
+        An insert that read the old, higher floor (or none) did not notify,
+        and may commit behind the cursor: once every transaction writing jobs
+        now has ended, such a kind starts from the top once more.
+        """
         moved = {k: p for k, (p, _id) in cursors.items() if self._floors.get(k) != p}
-        if moved and self._listen_pid is not None:
-            await queue.set_floors(self.pool, self._listen_pid, moved)
-            self._floors.update(moved)
+        if not moved or self._listen_pid is None:
+            return
+        lowered = {k for k, p in moved.items() if k not in self._floors or p < self._floors[k]}
+        await queue.set_floors(self.pool, self._listen_pid, moved)
+        self._floors.update(moved)
+        if lowered:
+            _last_id, writers = await queue.insert_horizon(self.pool)
+            self._confirm.append((lowered, writers))
+
+    async def _confirm_floors(self) -> None:
+        """Rewind the kinds whose floor went down each time a writer that may have read the old floor ends."""
+        everyone = sorted({x for _kinds, writers in self._confirm for x in writers})
+        running = set(await queue.stragglers_left(self.pool, everyone)) if everyone else set()
+        pending = []
+        for kinds, writers in self._confirm:
+            left = [x for x in writers if x in running]
+            if len(left) < len(writers) or not writers:  # what the ended ones inserted has committed
+                for kind in kinds:
+                    self._cursors.pop(kind, None)
+                    self._notified.add(kind)
+            if left:
+                pending.append((kinds, left))
+        self._confirm = pending
 
     def _deliver(self, jobs: list[queue.LeasedJob]) -> None:
         by_session: dict[str, list[queue.LeasedJob]] = {}

@@ -184,3 +184,31 @@ async def test_producers_racing_an_idling_dispatcher_lose_no_wake_up(dsn, pool, 
         missing = set(range(1, total + 1)) - seen
         rows = await pool.fetch("SELECT id, status FROM gpuq.jobs WHERE id = ANY($1::bigint[])", list(missing))
         assert not missing, (len(seen), rows)
+
+
+async def test_a_lowered_floor_rewinds_once_the_inserts_that_read_the_old_one_end(dsn, pool, live_conn):
+    """An insert that read the old floor did not notify and may commit behind
+    the cursor: the kind starts from the top again as soon as its writer ends."""
+    from gpuq.config import ServerConfig
+    from gpuq.dispatcher import Dispatcher
+
+    d = Dispatcher(pool, ServerConfig(database_url=dsn, poll_seconds=60))
+    d._listen_pid = live_conn.get_server_pid()
+    d._notified_all = d._rewind_all = False
+    await d._record_floors({"a": (5, 10), "b": (0, 10)})
+    await d._lease_pass()  # the first floor: nothing could be writing, so one rewind now
+    producer = await db.connect(dsn)
+    try:
+        tx = producer.transaction()
+        await tx.start()
+        await producer.execute("INSERT INTO gpuq.jobs (kind, priority) VALUES ('a', 3)")  # reads floor 5
+        d._cursors = {"a": (0, 20), "b": (0, 20)}
+        await d._record_floors(d._cursors)  # a: 5 -> 0, its job lands behind the cursor
+        await d._lease_pass()
+        assert d._cursors == {"a": (0, 20), "b": (0, 20)}  # still running: nothing new behind it
+        await tx.commit()
+        await d._lease_pass()
+        assert d._cursors == {"b": (0, 20)} and d._confirm == []
+        assert await live_conn.fetchval("SELECT priority FROM gpuq.lease_floors WHERE kind = 'a'") == 0
+    finally:
+        await producer.close()
