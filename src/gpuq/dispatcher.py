@@ -396,8 +396,9 @@ class Dispatcher:
         """Inserts above the priority a cursor reached must notify: record where it moved.
 
         An insert that read the old, higher floor (or none) did not notify,
-        and may commit behind the cursor: once every transaction writing jobs
-        now has ended, such a kind starts from the top once more.
+        and may have committed behind the cursor, or may still: such a kind
+        starts from the top at once, and again each time a transaction that
+        was writing jobs when the floor moved ends.
         """
         moved = {k: p for k, (p, _id) in cursors.items() if self._floors.get(k) != p}
         if not moved or self._listen_pid is None:
@@ -406,23 +407,28 @@ class Dispatcher:
         await queue.set_floors(self.pool, self._listen_pid, moved)
         self._floors.update(moved)
         if lowered:
+            self._rewind(lowered)
             _last_id, writers = await queue.insert_horizon(self.pool)
-            self._confirm.append((lowered, writers))
+            if writers:
+                self._confirm.append((lowered, writers))
 
     async def _confirm_floors(self) -> None:
         """Rewind the kinds whose floor went down each time a writer that may have read the old floor ends."""
         everyone = sorted({x for _kinds, writers in self._confirm for x in writers})
-        running = set(await queue.stragglers_left(self.pool, everyone)) if everyone else set()
+        running = set(await queue.stragglers_left(self.pool, everyone))
         pending = []
         for kinds, writers in self._confirm:
             left = [x for x in writers if x in running]
-            if len(left) < len(writers) or not writers:  # what the ended ones inserted has committed
-                for kind in kinds:
-                    self._cursors.pop(kind, None)
-                    self._notified.add(kind)
+            if len(left) < len(writers):  # what the ended ones inserted has committed
+                self._rewind(kinds)
             if left:
                 pending.append((kinds, left))
         self._confirm = pending
+
+    def _rewind(self, kinds: set[str]) -> None:
+        for kind in kinds:
+            self._cursors.pop(kind, None)
+            self._notified.add(kind)
 
     def _deliver(self, jobs: list[queue.LeasedJob]) -> None:
         by_session: dict[str, list[queue.LeasedJob]] = {}

@@ -26,7 +26,10 @@ def lease_args(kinds: Sequence[str], slots: Sequence[str], lease_seconds: float,
     at = [(cursors or {}).get(k, START) for k in kinds]
     return (list(kinds), len(slots), list(slots), float(lease_seconds), [-p for p, _ in at], [i for _, i in at])
 
-PLAN_SETTINGS = {"enable_bitmapscan": "off", "enable_seqscan": "off", "plan_cache_mode": "force_generic_plan"}
+# jit: with the scans priced out, a statement that has no other path costs
+# 1e10 and would be JIT-compiled on every call; gpuq's statements are short.
+PLAN_SETTINGS = {"enable_bitmapscan": "off", "enable_seqscan": "off", "plan_cache_mode": "force_generic_plan",
+                 "jit": "off"}
 
 
 async def explain(conn: Any, statement: str, *args: Any) -> dict[str, Any]:

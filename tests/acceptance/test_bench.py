@@ -102,6 +102,7 @@ def test_throughput_with_an_old_snapshot_json(server_dsn: str, capsys: pytest.Ca
 
 def test_producers_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("psutil")
-    got = run_bench(capsys, server_dsn, "producers", "--producers", "2", "--seconds", "0.5", "--agents", "1")
-    assert {"commits_per_s", "no_trigger_commits_per_s", "commit_ratio", "consumed"} <= got.keys()
+    got = run_bench(capsys, server_dsn, "producers", "--producers", "2", "--seconds", "0.5", "--agents", "1",
+                    "--rounds", "1")
+    assert {"commits_per_s", "no_trigger_commits_per_s", "commit_ratio", "consumed", "rounds"} <= got.keys()
     assert got["consumed"] is True

@@ -74,6 +74,7 @@ async def test_the_lease_guards_hold_through_the_pooler(live_conn, bouncer):
         for _ in range(3):
             assert await pooled.fetchval("SHOW enable_bitmapscan") == "off"
             assert await pooled.fetchval("SHOW enable_seqscan") == "off"
+            assert await pooled.fetchval("SHOW jit") == "off"
             assert await pooled.inner.fetchval("SHOW enable_bitmapscan") == "on"  # no session setting
         async with pooled.inner.transaction():  # one server connection, however the pooler assigns them
             await pooled.inner.execute("SET LOCAL random_page_cost = 40; SET LOCAL effective_cache_size = '8kB'")

@@ -186,17 +186,19 @@ async def test_producers_racing_an_idling_dispatcher_lose_no_wake_up(dsn, pool, 
         assert not missing, (len(seen), rows)
 
 
-async def test_a_lowered_floor_rewinds_once_the_inserts_that_read_the_old_one_end(dsn, pool, live_conn):
+async def test_a_lowered_floor_rewinds_at_once_and_as_each_insert_that_read_the_old_one_ends(dsn, pool, live_conn):
     """An insert that read the old floor did not notify and may commit behind
-    the cursor: the kind starts from the top again as soon as its writer ends."""
+    the cursor: the kind starts from the top again at once, and again as soon
+    as each transaction writing jobs when the floor moved ends."""
     from gpuq.config import ServerConfig
     from gpuq.dispatcher import Dispatcher
 
     d = Dispatcher(pool, ServerConfig(database_url=dsn, poll_seconds=60))
     d._listen_pid = live_conn.get_server_pid()
     d._notified_all = d._rewind_all = False
-    await d._record_floors({"a": (5, 10), "b": (0, 10)})
-    await d._lease_pass()  # the first floor: nothing could be writing, so one rewind now
+    d._cursors = {"a": (5, 10), "b": (0, 10)}
+    await d._record_floors(d._cursors)  # first floors: nobody writing, a rewind and nothing to wait for
+    assert d._cursors == {} and d._confirm == []
     producer = await db.connect(dsn)
     try:
         tx = producer.transaction()
@@ -204,11 +206,58 @@ async def test_a_lowered_floor_rewinds_once_the_inserts_that_read_the_old_one_en
         await producer.execute("INSERT INTO gpuq.jobs (kind, priority) VALUES ('a', 3)")  # reads floor 5
         d._cursors = {"a": (0, 20), "b": (0, 20)}
         await d._record_floors(d._cursors)  # a: 5 -> 0, its job lands behind the cursor
+        assert d._cursors == {"b": (0, 20)}
+        d._cursors["a"] = (0, 30)  # the next lease moved it on while the producer's commit is pending
         await d._lease_pass()
-        assert d._cursors == {"a": (0, 20), "b": (0, 20)}  # still running: nothing new behind it
+        assert d._cursors == {"a": (0, 30), "b": (0, 20)}  # nothing ended: nothing new behind it
         await tx.commit()
         await d._lease_pass()
         assert d._cursors == {"b": (0, 20)} and d._confirm == []
         assert await live_conn.fetchval("SELECT priority FROM gpuq.lease_floors WHERE kind = 'a'") == 0
     finally:
         await producer.close()
+
+
+async def test_the_lowest_floor_gates_the_trigger(dsn, live_conn):
+    """The trigger looks floors up only for inserts above the lowest one of all."""
+    c, got = await listening(dsn)
+    try:
+        lowest = "SELECT pg_sequence_last_value('gpuq.lowest_floor')"
+        await queue.set_floors(live_conn, live_conn.get_server_pid(), {"a": 4, "b": 2})
+        await queue.set_floors(live_conn, 2_000_000_000, {"a": 3})  # a dispatcher that is gone
+        assert await live_conn.fetchval(lowest) == 2
+        await live_conn.execute("INSERT INTO gpuq.jobs (kind, priority) VALUES ('a', 2), ('b', 2)")
+        await live_conn.execute("INSERT INTO gpuq.jobs (kind, priority) VALUES ('a', 4), ('b', 3)")
+        assert [sorted(p.split(",")) for p in await got.drain()] == [["a@4", "b@3"]]  # above 3 (a), 2 (b)
+        await queue.clear_floors(live_conn, live_conn.get_server_pid())
+        assert await live_conn.fetchval(lowest) == 32767  # no floors: nothing is above
+        await live_conn.execute("INSERT INTO gpuq.jobs (kind, priority) VALUES ('a', 9)")
+        assert await got.drain() == []
+    finally:
+        await c.close()
+
+
+async def nested_plans(conn: asyncpg.Connection, statement: str) -> list[str]:
+    """The plans of every statement ``statement`` runs, nested ones too (auto_explain, as notices)."""
+    got: list[str] = []
+    conn.add_log_listener(lambda _c, msg: got.append(msg.message))
+    await conn.execute("LOAD 'auto_explain'; SET auto_explain.log_min_duration = 0;"
+                       "SET auto_explain.log_nested_statements = on; SET auto_explain.log_level = notice")
+    await conn.execute(statement)
+    await conn.execute("RESET auto_explain.log_min_duration")
+    return got
+
+
+async def test_the_wake_up_path_never_plans_a_scan_the_guards_price_out(live_conn):
+    """gpuq's sessions price sequential scans out (enable_seqscan = off), so a
+    statement that has no other path costs 1e10 and would be JIT-compiled on
+    every call: the trigger read its sequence that way once, and producers'
+    commits fell to 77/s. Every statement an insert, an arm and a horizon run
+    must have another path (sequences are read with pg_sequence_last_value)."""
+    await queue.set_floors(live_conn, live_conn.get_server_pid(), {"train": 0})
+    for statement in ("INSERT INTO gpuq.jobs (kind, priority) VALUES ('train', 1)",
+                      "SELECT gpuq.arm_wakeups(1000)", "SELECT gpuq.insert_horizon()"):
+        plans = await nested_plans(live_conn, statement)
+        assert plans, statement
+        assert not [p for p in plans if "Seq Scan" in p or "JIT" in p], (statement, plans)
+    assert await live_conn.fetchval("SHOW jit") == "off"

@@ -189,14 +189,11 @@ WHERE locktype = 'transactionid' AND transactionid::text = ANY($1::text[]);
 
 -- name: set_floors
 -- Dispatcher $1's lease cursors reached priorities $3 in kinds $2: inserts above them notify.
-INSERT INTO gpuq.lease_floors (kind, dispatcher, priority)
-SELECT kind, $1, priority FROM unnest($2::text[], $3::smallint[]) AS f(kind, priority)
-ON CONFLICT (kind, dispatcher) DO UPDATE SET priority = excluded.priority;
+SELECT gpuq.set_floors($1, $2::text[], $3::smallint[]);
 
 -- name: clear_floors
 -- Remove dispatcher $1's lease floors and those of dispatchers whose connection is gone.
-DELETE FROM gpuq.lease_floors
-WHERE dispatcher = $1 OR dispatcher NOT IN (SELECT pid FROM pg_stat_activity WHERE pid IS NOT NULL);
+SELECT gpuq.clear_floors($1);
 
 -- name: cancel
 -- Cancel a live job: it becomes dead, and a running agent's result is then fenced out.
@@ -239,7 +236,7 @@ WHERE c.oid = 'gpuq.jobs'::regclass;
 
 -- name: plan_guards
 -- The planner guards for this transaction only: what a transaction pooler lets stick (docs/design.md).
-SET LOCAL enable_bitmapscan = off; SET LOCAL enable_seqscan = off;
+SET LOCAL enable_bitmapscan = off; SET LOCAL enable_seqscan = off; SET LOCAL jit = off;
 
 -- name: ping
 -- Is the connection alive?
