@@ -281,10 +281,20 @@ async def test_an_old_snapshot_cannot_slow_a_lease_that_starts_at_its_cursor(liv
             got = await queue.lease_slots(live_conn, ["train"], ["a#1"] * 256, LEASE, cursors)
             cursors.update(got.cursors)
             await queue.complete_many(live_conn, [(j.id, j.lease_token, None) for j in got.jobs])
-        at_cursor = plans.plan_buffers(await plans.explain_lease(live_conn, ["train"], 256, cursors),
-                                       reads_only=True)
+        at_cursor_plan = await plans.explain_lease(live_conn, ["train"], 256, cursors)
+        at_cursor = plans.plan_buffers(at_cursor_plan, reads_only=True)
         from_top = plans.plan_buffers(await plans.explain_lease(live_conn, ["train"], 256), reads_only=True)
     finally:
         await holder.close()
     assert at_cursor <= 1.5 * start, (start, at_cursor)
     assert from_top > 2 * start, (start, from_top)  # what the cursor saves
+    # The index scan itself starts at the cursor: it reads a few pages, not one per 250 jobs behind it.
+    assert index_buffers(at_cursor_plan, "jobs_pending_idx") <= 12, at_cursor_plan
+
+
+def index_buffers(plan: dict, index: str) -> int:
+    """Buffers the plan's scans of ``index`` touched (with their heap fetches)."""
+    def walk(node: dict) -> int:
+        own = node.get("Shared Hit Blocks", 0) + node.get("Shared Read Blocks", 0) if node.get("Index Name") == index else 0
+        return own + sum(walk(c) for c in node.get("Plans", []))
+    return walk(plan["Plan"])

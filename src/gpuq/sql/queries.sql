@@ -59,9 +59,12 @@ WITH picked AS (
     FROM unnest($1::text[], $5::int[], $6::bigint[]) AS k(kind, after_rank, after_id)
     CROSS JOIN LATERAL (
         SELECT ctid, id, priority FROM gpuq.jobs
-        WHERE status = 'pending' AND kind = k.kind
+        -- kind <= k.kind with the row comparison, never kind = k.kind: given an
+        -- equality, the B-tree starts at the kind's first entry and reads every
+        -- leaf page behind the cursor (docs/design.md, "Lease cursors").
+        WHERE status = 'pending' AND kind <= k.kind
           AND (kind, -priority, id) > (k.kind, k.after_rank, k.after_id)
-        ORDER BY -priority, id
+        ORDER BY kind, -priority, id
         LIMIT $2
         FOR UPDATE SKIP LOCKED
     ) c
