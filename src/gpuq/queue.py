@@ -189,12 +189,9 @@ async def lease_slots(db: DB, kinds: Sequence[str], slots: Sequence[str], lease_
     picked = [r for r in rows if r["phase"] == 1]
     last = {r["kind"]: (r["priority"], r["id"]) for r in picked}  # slot order: the last of each kind wins
     if settled is not None:
-        first = {r["kind"]: r["priority"] for r in reversed(picked)}
-        for kind, (priority, job_id) in last.items():
-            # Not past an unsettled id of the level the walk started in.
-            start = cursors[kind][0] if cursors and kind in cursors else first[kind]
-            if (-priority, job_id) > (-start, settled):
-                last[kind] = (start, settled)
+        # Not past an id that may still commit. Jobs above the level it lands in
+        # are the floors' to catch (docs/design.md, "Wake-ups").
+        last = {kind: (priority, min(job_id, settled)) for kind, (priority, job_id) in last.items()}
     return LeaseResult(jobs, len(jobs) - len(picked), len(rows) - len(jobs), phase2_ran=len(picked) < n,
                        cursors=last)
 

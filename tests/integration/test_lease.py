@@ -256,6 +256,18 @@ async def test_a_lease_from_its_cursor_continues_where_the_last_one_ended(conn):
     assert [j.id for j in second.jobs] == order[5:10]
 
 
+async def test_a_cursor_never_passes_an_id_that_may_still_commit(conn):
+    """Ids are drawn at insert: a job whose id is above ``settled`` may commit
+    after the lease, so the cursor stops at settled in whatever level it lands."""
+    five = await add_pending(conn, 2, priority=5)
+    zero = await add_pending(conn, 3)
+    got = await queue.lease_slots(conn, ["train"], ["a#1"] * 4, LEASE, None, settled=zero[0])
+    assert [j.id for j in got.jobs] == five + zero[:2]
+    assert got.cursors == {"train": (0, zero[0])}  # not (0, zero[1]): zero[1] was not settled
+    again = await queue.lease_slots(conn, ["train"], ["a#1"] * 4, LEASE, got.cursors, settled=zero[2])
+    assert [j.id for j in again.jobs] == [zero[2]] and again.cursors == {"train": (0, zero[2])}
+
+
 async def test_a_job_behind_the_cursor_waits_until_the_cursor_is_dropped(conn):
     await add_pending(conn, 10)
     first = await queue.lease(conn, ["train"], 4, "a#1", LEASE)

@@ -153,8 +153,8 @@ async def test_a_job_committed_as_the_dispatcher_goes_idle_needs_no_poll(dsn, po
 
 
 async def test_producers_racing_an_idling_dispatcher_lose_no_wake_up(dsn, pool, monkeypatch):
-    """Many producers, bursts and gaps, transactions held open a little: every
-    job arrives within seconds although the poll is a minute away."""
+    """Many producers, bursts and gaps, transactions held open a little, a few
+    priorities: every job arrives within seconds although the poll is a minute away."""
     monkeypatch.setattr("gpuq.dispatcher.WAKE_MARK_MS", 30)
     seen: set[int] = set()
     all_seen = anyio.Event()
@@ -169,7 +169,8 @@ async def test_producers_racing_an_idling_dispatcher_lose_no_wake_up(dsn, pool, 
         async with pool.acquire() as c:
             for _ in range(40):
                 async with c.transaction():
-                    await c.execute("INSERT INTO gpuq.jobs (kind) VALUES ('work')")
+                    await c.execute("INSERT INTO gpuq.jobs (kind, priority) VALUES ('work', $1)",
+                                    rng.choice([0, 0, 0, 3, 7]))  # levels: floors move both ways
                     if rng.random() < 0.3:
                         await asyncio.sleep(rng.uniform(0, 0.03))  # commit late: a straggler
                 await asyncio.sleep(rng.choice([0, 0.001, 0.005, 0.02, 0.06]))  # bursts and idle gaps
