@@ -156,6 +156,24 @@ async def lease(db: DB, kinds: Sequence[str], n: int, agent: str, lease_seconds:
     return await lease_slots(db, kinds, [agent] * n, lease_seconds)
 
 
+# A cursor never goes below this priority: the insert trigger looks lease floors
+# up only for jobs above it (migration 0005), so no floor may be lower.
+LOWEST_CURSOR_PRIORITY = 0
+_AFTER_EVERY_ID = 2**63 - 1
+
+
+def _cursor(priority: int, job_id: int, settled: int | None) -> tuple[int, int]:
+    """Where the next lease of a kind starts, after the last job this one took.
+
+    Not past an id that may still commit (``settled``); jobs that land above the
+    level it stops in are the floors' to catch (docs/design.md, "Wake-ups").
+    Below priority 0, at the end of level 0.
+    """
+    if priority < LOWEST_CURSOR_PRIORITY:
+        priority, job_id = LOWEST_CURSOR_PRIORITY, _AFTER_EVERY_ID
+    return priority, job_id if settled is None else min(job_id, settled)
+
+
 async def lease_slots(db: DB, kinds: Sequence[str], slots: Sequence[str], lease_seconds: float,
                       cursors: Mapping[str, tuple[int, int]] | None = None,
                       settled: int | None = None) -> LeaseResult:
@@ -188,10 +206,7 @@ async def lease_slots(db: DB, kinds: Sequence[str], slots: Sequence[str], lease_
     jobs = [_leased(r) for r in rows if r["status"] == "leased"]  # the others went dead
     picked = [r for r in rows if r["phase"] == 1]
     last = {r["kind"]: (r["priority"], r["id"]) for r in picked}  # slot order: the last of each kind wins
-    if settled is not None:
-        # Not past an id that may still commit. Jobs above the level it lands in
-        # are the floors' to catch (docs/design.md, "Wake-ups").
-        last = {kind: (priority, min(job_id, settled)) for kind, (priority, job_id) in last.items()}
+    last = {kind: _cursor(priority, job_id, settled) for kind, (priority, job_id) in last.items()}
     return LeaseResult(jobs, len(jobs) - len(picked), len(rows) - len(jobs), phase2_ran=len(picked) < n,
                        cursors=last)
 
@@ -324,16 +339,21 @@ async def notify(db: DB, kinds: Iterable[str], behind: bool = False) -> None:
 @dataclass(frozen=True, slots=True)
 class Wakeup:
     """A parsed notification: ``kinds`` -> the top priority inserted, or None when the jobs may
-    be behind a cursor (moved back to pending, or an old payload); ``every`` for '*'."""
+    be behind a cursor (moved back to pending, or an old payload); ``every``: any kind may have
+    new jobs ('+', '*'); ``rewind``: and they may be behind any cursor ('*')."""
 
     kinds: dict[str, int | None]
     every: bool = False
+    rewind: bool = False
 
 
 def parse_wakeup(payload: str) -> Wakeup:
-    """``kind@priority`` (inserted, migration 0004), ``kind!`` (moved back), ``kind``, or ``*``."""
-    if payload == "*" or not payload:
+    """``+`` (inserted while a dispatcher waits, migration 0005), ``kind@priority`` (inserted
+    above a lease floor), ``kind!`` (moved back), ``kind``, or ``*``."""
+    if payload == "+":
         return Wakeup({}, every=True)
+    if payload == "*" or not payload:
+        return Wakeup({}, every=True, rewind=True)
     kinds: dict[str, int | None] = {}
     for entry in payload.split(","):
         kind, _, top = entry.rstrip("!").partition("@")

@@ -14,7 +14,7 @@ async def test_jobs_inserted_while_not_listening_are_delivered_after_reconnect(d
         await srv.agent(["embed"], 1, sets(got))
         await anyio.sleep(0.3)
         # The notification is lost for sure: no trigger fires for this insert.
-        await pool.execute("ALTER TABLE gpuq.jobs DISABLE TRIGGER jobs_notify_inserted")
+        await pool.execute("ALTER TABLE gpuq.jobs DISABLE TRIGGER USER")
         await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('embed')")
         await anyio.sleep(0.3)
         assert not got.is_set()  # nothing told the dispatcher, and the poll is 30 s away
@@ -30,7 +30,7 @@ async def test_polling_covers_a_lost_notification(dsn, pool):
     async with running_server(dsn, poll_seconds=0.3) as srv:
         await srv.agent(["embed"], 1, sets(got))
         await anyio.sleep(0.2)
-        await pool.execute("ALTER TABLE gpuq.jobs DISABLE TRIGGER jobs_notify_inserted")
+        await pool.execute("ALTER TABLE gpuq.jobs DISABLE TRIGGER USER")
         await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('embed')")
         with anyio.fail_after(5):
             await got.wait()

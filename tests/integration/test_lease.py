@@ -268,6 +268,19 @@ async def test_a_cursor_never_passes_an_id_that_may_still_commit(conn):
     assert [j.id for j in again.jobs] == [zero[2]] and again.cursors == {"train": (0, zero[2])}
 
 
+async def test_a_cursor_stays_at_priority_zero_or_above(conn):
+    """The insert trigger looks floors up only for jobs above priority 0, so no
+    cursor may sit below it: a lease into negative priorities leaves it at the end of level 0."""
+    low = await add_pending(conn, 2, priority=-3)
+    got = await queue.lease_slots(conn, ["train"], ["a#1"], LEASE, None)
+    assert [j.id for j in got.jobs] == low[:1] and got.cursors == {"train": (0, 2**63 - 1)}
+    settled = await queue.lease_slots(conn, ["train"], ["a#1"], LEASE, got.cursors, settled=low[1])
+    assert [j.id for j in settled.jobs] == low[1:] and settled.cursors == {"train": (0, low[1])}
+    [zero] = await add_pending(conn, 1)  # level 0, id above settled: ahead of (0, settled)
+    again = await queue.lease_slots(conn, ["train"], ["a#1"], LEASE, settled.cursors, settled=zero)
+    assert [j.id for j in again.jobs] == [zero]
+
+
 async def test_a_job_behind_the_cursor_waits_until_the_cursor_is_dropped(conn):
     await add_pending(conn, 10)
     first = await queue.lease(conn, ["train"], 4, "a#1", LEASE)

@@ -38,7 +38,10 @@ async def test_inserts_do_not_notify_while_no_dispatcher_waits(dsn, live_conn):
         assert await got.drain() == []
         await queue.arm_wakeups(live_conn, 60_000)
         await live_conn.execute("INSERT INTO gpuq.jobs (kind) VALUES ('train')")
-        assert await got.drain() == ["train@0"]
+        assert await got.drain() == ["+"]
+        await live_conn.execute("INSERT INTO gpuq.jobs (kind, status, run_at) "
+                                "VALUES ('train', 'scheduled', now() + interval '1h')")
+        assert await got.drain() == ["+"]  # no pending job: a pass that finds nothing, harmless
     finally:
         await c.close()
 
@@ -50,7 +53,7 @@ async def test_the_mark_lapses_and_never_moves_back(dsn, live_conn):
         second = await queue.arm_wakeups(live_conn, 1)  # a shorter arm keeps the later mark
         assert second.until == first.until and second.previous == first.until
         await live_conn.execute("INSERT INTO gpuq.jobs (kind) VALUES ('a')")
-        assert await got.drain(0.1) == ["a@0"]
+        assert await got.drain(0.1) == ["+"]
         while not await live_conn.fetchval(MARK_LAPSED):
             await anyio.sleep(0.05)
         await live_conn.execute("INSERT INTO gpuq.jobs (kind) VALUES ('a')")
@@ -229,7 +232,7 @@ async def test_the_lowest_floor_gates_the_trigger(dsn, live_conn):
         assert await live_conn.fetchval(lowest) == 2
         await live_conn.execute("INSERT INTO gpuq.jobs (kind, priority) VALUES ('a', 2), ('b', 2)")
         await live_conn.execute("INSERT INTO gpuq.jobs (kind, priority) VALUES ('a', 4), ('b', 3)")
-        assert [sorted(p.split(",")) for p in await got.drain()] == [["a@4", "b@3"]]  # above 3 (a), 2 (b)
+        assert sorted(await got.drain()) == ["a@4", "b@3"]  # above 3 (a), 2 (b)
         await queue.clear_floors(live_conn, live_conn.get_server_pid())
         assert await live_conn.fetchval(lowest) == 32767  # no floors: nothing is above
         await live_conn.execute("INSERT INTO gpuq.jobs (kind, priority) VALUES ('a', 9)")

@@ -19,8 +19,22 @@ def test_a_kind_named_twice_keeps_the_stronger_signal():
 
 def test_a_bare_kind_or_a_star():
     assert parse_wakeup("legacy") == Wakeup({"legacy": None})  # no priority: assume behind
-    assert parse_wakeup("*") == Wakeup({}, every=True)
-    assert parse_wakeup("") == Wakeup({}, every=True)
+    assert parse_wakeup("*") == Wakeup({}, every=True, rewind=True)
+    assert parse_wakeup("") == Wakeup({}, every=True, rewind=True)
+
+
+def test_a_plus_is_new_jobs_of_any_kind_ahead_of_the_cursors():
+    assert parse_wakeup("+") == Wakeup({}, every=True, rewind=False)
+
+
+async def test_a_plus_wakes_every_group_and_keeps_the_cursors():
+    d = dispatcher()
+    d._notified_all = d._rewind_all = False
+    d._cursors = {"a": (0, 50)}
+    d._on_notify(None, 0, "gpuq_jobs", "+")
+    assert d._notified_all and not d._rewind_all and d._cursors == {"a": (0, 50)}
+    d._on_notify(None, 0, "gpuq_jobs", "*")
+    assert d._rewind_all
 
 
 def dispatcher():

@@ -76,12 +76,12 @@ WHERE status = 'done' AND NOT coalesce((payload->>'warmup')::bool, false);
 VACUUM (ANALYZE) gpuq.jobs;
 
 -- name: trigger_off
--- A bulk load of history need not NOTIFY, nor build a transition table of millions of rows.
-ALTER TABLE gpuq.jobs DISABLE TRIGGER jobs_notify_inserted;
+-- Every wake-up trigger off: a bulk load of history need not test them row by row.
+ALTER TABLE gpuq.jobs DISABLE TRIGGER USER;
 
 -- name: trigger_on
--- The NOTIFY trigger back on.
-ALTER TABLE gpuq.jobs ENABLE TRIGGER jobs_notify_inserted;
+-- The wake-up triggers back on.
+ALTER TABLE gpuq.jobs ENABLE TRIGGER USER;
 
 -- name: naive_drop
 -- Drop the naive design's copy.
