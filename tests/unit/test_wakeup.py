@@ -28,20 +28,23 @@ def test_a_plus_is_new_jobs_of_any_kind_ahead_of_the_cursors():
 
 
 async def test_a_plus_wakes_every_group_and_keeps_the_cursors():
-    d = dispatcher()
-    d._notified_all = d._rewind_all = False
-    d._cursors = {"a": (0, 50)}
+    d = dispatcher({"a": (0, 50)})
     d._on_notify(None, 0, "gpuq_jobs", "+")
     assert d._notified_all and not d._rewind_all and d._cursors == {"a": (0, 50)}
     d._on_notify(None, 0, "gpuq_jobs", "*")
     assert d._rewind_all
 
 
-def dispatcher():
+def dispatcher(cursors=None, listening=False):
+    """A dispatcher with no pool and no agents, nothing pending, and these cursors."""
     from gpuq.config import ServerConfig
     from gpuq.dispatcher import Dispatcher
 
-    return Dispatcher(None, ServerConfig(database_url="postgresql://unused", poll_seconds=2))
+    d = Dispatcher(None, ServerConfig(database_url="postgresql://unused", poll_seconds=2))
+    d._notified_all = d._rewind_all = False
+    d._cursors = dict(cursors or {})
+    d.listening = listening
+    return d
 
 
 async def test_a_notification_drops_the_cursors_it_puts_jobs_behind():
@@ -56,9 +59,7 @@ async def test_a_notification_drops_the_cursors_it_puts_jobs_behind():
 async def test_cursors_are_dropped_every_poll_while_polling_only():
     import time
 
-    d = dispatcher()
-    d._notified_all = d._rewind_all = False
-    d._cursors = {"a": (0, 50)}
+    d = dispatcher({"a": (0, 50)})
     await d._lease_pass()  # nothing connected: only the bookkeeping runs
     assert d._cursors == {"a": (0, 50)}
     d._cursors_since = time.monotonic() - 3  # past poll_seconds
@@ -71,10 +72,7 @@ async def test_a_listening_dispatcher_keeps_its_cursors_through_polls_for_rewind
 
     from gpuq.dispatcher import REWIND_POLLS
 
-    d = dispatcher()
-    d.listening = True
-    d._rewind_all = False
-    d._cursors = {"a": (0, 50)}
+    d = dispatcher({"a": (0, 50)}, listening=True)
     d._cursors_since = time.monotonic() - 3  # past poll_seconds, not past REWIND_POLLS of them
     d.wake_all()  # a poll looks at every group: it does not rewind
     await d._lease_pass()
@@ -85,10 +83,7 @@ async def test_a_listening_dispatcher_keeps_its_cursors_through_polls_for_rewind
 
 
 async def test_a_reconnect_or_a_star_rewinds_every_cursor():
-    d = dispatcher()
-    d.listening = True
-    d._rewind_all = False
-    d._cursors = {"a": (0, 50)}
+    d = dispatcher({"a": (0, 50)}, listening=True)
     d._on_notify(None, 0, "gpuq_jobs", "*")
     await d._lease_pass()
     assert d._cursors == {}
