@@ -1,4 +1,4 @@
-"""The ``gpuq`` command: migrate, serve, sweep, agent, enqueue, status, dev, bench.
+"""The ``gpuq`` command: migrate, serve, sweep, agent, enqueue, status, pause, resume, retry, dev, bench.
 
 Every failure an operator can cause (bad flag, unreachable database, missing
 migrations, bad handler path) ends in one ``gpuq: error: ...`` line and a
@@ -8,10 +8,12 @@ non-zero exit, never a traceback.
 from __future__ import annotations
 
 import argparse
+import getpass
 import importlib
 import json
 import sys
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from typing import Any
 
 import anyio
@@ -133,6 +135,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="print JSON instead of a table")
     t.add_argument("--server", help="also show connected agents, from a server's /status (http://host:port)")
     t.set_defaults(func=cmd_status)
+
+    for name, verb in (("pause", "stop leasing"), ("resume", "lease again")):
+        pr = sub.add_parser(name, help=f"{verb} every job of a kind, on every dispatcher (running jobs finish)")
+        pr.add_argument("kind", metavar="KIND")
+        config.add_flags(pr, name)
+        pr.set_defaults(func=cmd_pause_resume)
+
+    r = sub.add_parser("retry", help="send dead jobs back to pending with fresh attempts, by id or by filter")
+    r.add_argument("ids", metavar="ID", type=int, nargs="*", help="job ids (or use the filters)")
+    r.add_argument("--kind", help="only jobs of this kind")
+    r.add_argument("--error", help="only jobs whose last error contains this text")
+    r.add_argument("--since", type=_timestamp, help="only jobs that ended at or after this time (ISO 8601)")
+    r.add_argument("--until", type=_timestamp, help="only jobs that ended before this time (ISO 8601)")
+    r.add_argument("--dry-run", action="store_true", help="print how many would go, change nothing")
+    config.add_flags(r, "retry")
+    r.set_defaults(func=cmd_retry)
 
     d = sub.add_parser("dev", help="everything on an embedded PostgreSQL under .gpuq/: server, demo agents, "
                        "a producer, live progress")
@@ -360,6 +378,65 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _timestamp(text: str) -> datetime:
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO 8601 time: {text!r}") from None
+    return value if value.tzinfo else value.astimezone()  # no zone given: local time
+
+
+def _admin(action: str, **fields: Any) -> None:
+    """Every admin action is a structured event on stderr naming who did it."""
+    logs.configure(stream=sys.stderr)
+    logs.get("admin").info(f"admin.{action}", by=getpass.getuser(), **fields)
+
+
+def cmd_pause_resume(args: argparse.Namespace) -> int:
+    from gpuq import queue
+
+    async def run() -> bool:
+        conn = await _connect(args)
+        try:
+            if args.command == "pause":
+                return await queue.pause(conn, args.kind, by=getpass.getuser())
+            return await queue.resume(conn, args.kind)
+        finally:
+            await conn.close()
+
+    changed = anyio.run(run)
+    _admin(args.command, kind=args.kind, changed=changed)
+    pausing = args.command == "pause"
+    if changed:
+        print(f"{args.kind}: {'paused' if pausing else 'resumed'}")
+    else:
+        print(f"{args.kind}: {'already paused' if pausing else 'was not paused'}")
+    return 0
+
+
+def cmd_retry(args: argparse.Namespace) -> int:
+    from gpuq import queue
+
+    which = queue.RetryFilter(ids=args.ids or None, kind=args.kind, error=args.error, since=args.since, until=args.until)
+    which.args()  # no criterion at all is an error, before connecting
+
+    async def run() -> int:
+        conn = await _connect(args)
+        try:
+            return await (queue.retry_count if args.dry_run else queue.retry)(conn, which)
+        finally:
+            await conn.close()
+
+    n = anyio.run(run)
+    if args.dry_run:
+        print(f"{n} dead job(s) would go back to pending (dry run: nothing changed)")
+        return 0
+    _admin("retry", jobs=n, ids=args.ids or None, kind=args.kind, error=args.error,
+           since=args.since and args.since.isoformat(), until=args.until and args.until.isoformat())
+    print(f"{n} dead job(s) sent back to pending")
+    return 0
+
+
 def _fetch_server_status(base: str) -> dict[str, Any]:
     import urllib.request
 
@@ -380,6 +457,8 @@ def render_status(body: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
              for r in rows]
+    for kind, p in sorted(body.get("paused", {}).items()):
+        lines.append(f"paused: {kind} (by {p['by']} since {p['since']})")
     oldest = body["oldest_pending_seconds"]
     lines.append(f"oldest pending: {oldest:.1f} s" if oldest is not None else "oldest pending: -")
     lines.append(f"history (done+dead, estimate): {body['history_estimate']}")

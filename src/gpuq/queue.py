@@ -401,6 +401,51 @@ async def clear_floors(db: DB, dispatcher: int) -> None:
     await db.execute(queries["clear_floors"], dispatcher)
 
 
+# -- admin (issue #15) -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RetryFilter:
+    """Which dead jobs ``retry`` sends back: every given criterion must hold (None: any)."""
+
+    ids: Sequence[int] | None = None
+    kind: str | None = None
+    error: str | None = None  # a substring of last_error
+    since: datetime | None = None  # finished at or after
+    until: datetime | None = None  # finished before
+
+    def args(self) -> tuple[Any, ...]:
+        if self == RetryFilter():
+            raise ValueError("retry needs job ids or at least one filter (kind, error text, time range)")
+        return (None if self.ids is None else list(self.ids), self.kind, self.error, self.since, self.until)
+
+
+async def pause(db: DB, kind: str, by: str) -> bool:
+    """Stop every dispatcher leasing ``kind`` (running jobs finish); False if it was paused already."""
+    return await db.fetchval(queries["pause_kind"], kind, by) is not None
+
+
+async def resume(db: DB, kind: str) -> bool:
+    """Lease ``kind`` again and wake the dispatchers; False if it was not paused."""
+    return await db.fetchval(queries["resume_kind"], kind) is not None
+
+
+async def paused(db: DB) -> dict[str, dict[str, Any]]:
+    """Paused kinds -> who paused them (``by``) and when (``since``, ISO 8601)."""
+    rows = await db.fetch(queries["paused_kinds"])
+    return {r["kind"]: {"since": r["paused_at"].isoformat(), "by": r["paused_by"]} for r in rows}
+
+
+async def retry_count(db: DB, which: RetryFilter) -> int:
+    """How many dead jobs ``retry`` would send back (a dry run)."""
+    return int(await db.fetchval(queries["retry_count"], *which.args()))
+
+
+async def retry(db: DB, which: RetryFilter) -> int:
+    """Send matching dead jobs back to pending with fresh attempts; how many went."""
+    return int(await db.fetchval(queries["retry"], *which.args()) or 0)
+
+
 async def cancel(db: DB, job_id: int) -> bool:
     """Cancel a live job (it becomes dead; a running agent's result is then fenced out)."""
     return await db.fetchval(queries["cancel"], job_id) is not None
@@ -431,6 +476,7 @@ class StatusCounts:
     live: dict[str, dict[str, int]]  # status -> kind -> count
     oldest_pending_seconds: float | None
     history_estimate: int  # done + dead, from planner statistics (approximate)
+    paused: dict[str, dict[str, Any]] = field(default_factory=dict)  # kind -> {since, by}
 
     def total(self, status: str) -> int:
         return sum(self.live.get(status, {}).values())
@@ -441,6 +487,7 @@ class StatusCounts:
             "totals": {s: self.total(s) for s in LIVE_STATES},
             "oldest_pending_seconds": self.oldest_pending_seconds,
             "history_estimate": self.history_estimate,
+            "paused": self.paused,
         }
 
 
@@ -455,7 +502,8 @@ async def status_counts(db: DB) -> StatusCounts:
             oldest = r["oldest"]
     estimate, now = await db.fetchrow(queries["table_estimate"])
     n_live = sum(sum(k.values()) for k in live.values())
-    return StatusCounts(live, (now - oldest).total_seconds() if oldest else None, max(0, estimate - n_live))
+    return StatusCounts(live, (now - oldest).total_seconds() if oldest else None, max(0, estimate - n_live),
+                        await paused(db))
 
 
 def _json(value: Any) -> str | None:

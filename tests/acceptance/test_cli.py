@@ -10,7 +10,7 @@ import pytest
 from gpuq.config import ConfigError
 from gpuq.runtime import use_uvloop
 
-SUBCOMMANDS = ["migrate", "serve", "sweep", "agent", "enqueue", "status", "dev", "bench"]
+SUBCOMMANDS = ["migrate", "serve", "sweep", "agent", "enqueue", "status", "pause", "resume", "retry", "dev", "bench"]
 
 
 def gpuq(*args, env=None, stdin=None, timeout=60):
@@ -136,3 +136,29 @@ def test_sweep_once(dsn):
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout.strip().splitlines()[-1]) == {"reclaimed": 0, "dead": 0, "promoted": 0,
                                                                  "pruned": 0}
+
+
+def test_pause_resume_and_retry_from_the_shell_name_who_did_it(dsn):
+    env = {"DATABASE_URL": dsn, "GPUQ_LOG_FORMAT": "json"}
+    res = gpuq("pause", "embed", env=env)
+    assert res.returncode == 0 and res.stdout.strip() == "embed: paused", res.stderr
+    event = json.loads(res.stderr.strip().splitlines()[-1])
+    assert event["event"] == "admin.pause" and event["kind"] == "embed" and event["by"]
+    body = json.loads(gpuq("status", "--json", env=env).stdout)
+    assert body["paused"]["embed"]["by"] == event["by"]
+    assert "paused: embed" in gpuq("status", env=env).stdout
+    assert gpuq("pause", "embed", env=env).stdout.strip() == "embed: already paused"
+    assert gpuq("resume", "embed", env=env).stdout.strip() == "embed: resumed"
+    res = gpuq("retry", "--kind", "embed", "--dry-run", env=env)
+    assert res.returncode == 0 and res.stdout.startswith("0 dead job(s) would go back"), res.stderr
+    res = gpuq("retry", "--kind", "embed", env=env)
+    assert json.loads(res.stderr.strip().splitlines()[-1])["event"] == "admin.retry"
+
+
+def test_retry_without_ids_or_filters_is_one_clear_line(dsn):
+    res = gpuq("retry", env={"DATABASE_URL": dsn})
+    assert res.returncode == 1
+    assert res.stderr.strip() == ("gpuq: error: retry needs job ids or at least one filter "
+                                  "(kind, error text, time range)")
+    res = gpuq("retry", "--since", "yesterday", env={"DATABASE_URL": dsn})
+    assert res.returncode == 2 and "not an ISO 8601 time" in res.stderr

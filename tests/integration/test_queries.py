@@ -14,7 +14,7 @@ NAMES = {
     "prune_window", "min_job_id", "status_counts", "table_estimate", "ping", "plan_guards",
     "migrations_lock", "migrations_unlock", "migrations_bootstrap", "migrations_tracked",
     "migrations_applied", "migration_record", "arm_wakeups", "stragglers_left", "set_floors",
-    "clear_floors", "insert_horizon",
+    "clear_floors", "insert_horizon", "pause_kind", "resume_kind", "paused_kinds", "retry_count", "retry",
 }
 MULTI_STATEMENT = {"migrations_bootstrap", "plan_guards"}  # run as a simple query, never prepared
 

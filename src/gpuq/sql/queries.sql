@@ -53,10 +53,14 @@ LEFT JOIN gpuq.jobs live ON ins.id IS NULL AND live.dedup_key = input.dedup_key
 ORDER BY input.ord;
 
 -- name: lease_slots
--- Lease up to $2 jobs of kinds $1, pending first (phase 1, each kind from its cursor: rank $5, id $6) then expired leases (phase 2); the i-th goes to slot $3[i].
-WITH picked AS (
+-- Lease up to $2 jobs of kinds $1 (not paused), pending first (phase 1, each kind from its cursor: rank $5, id $6) then expired leases (phase 2); the i-th goes to slot $3[i].
+WITH leasable AS (  -- the kinds asked for that are not paused
+    SELECT u.kind, u.after_rank, u.after_id
+    FROM unnest($1::text[], $5::int[], $6::bigint[]) AS u(kind, after_rank, after_id)
+    WHERE NOT EXISTS (SELECT 1 FROM gpuq.paused_kinds p WHERE p.kind = u.kind)
+), picked AS (
     SELECT c.ctid, row_number() OVER (ORDER BY c.priority DESC, c.id) AS rn
-    FROM unnest($1::text[], $5::int[], $6::bigint[]) AS k(kind, after_rank, after_id)
+    FROM leasable AS k
     CROSS JOIN LATERAL (
         SELECT ctid, id, priority FROM gpuq.jobs
         -- kind <= k.kind with the row comparison, never kind = k.kind: given an
@@ -74,7 +78,7 @@ WITH picked AS (
     SELECT e.ctid, (SELECT count(*) FROM picked) + row_number() OVER (ORDER BY e.lease_expires_at, e.id) AS rn
     FROM (
         SELECT ctid, id, lease_expires_at FROM gpuq.jobs
-        WHERE status = 'leased' AND lease_expires_at < now() AND kind = ANY($1::text[])
+        WHERE status = 'leased' AND lease_expires_at < now() AND kind = ANY(ARRAY(SELECT kind FROM leasable))
         ORDER BY lease_expires_at
         LIMIT greatest($2 - (SELECT count(*) FROM picked), 0)
         FOR UPDATE SKIP LOCKED
@@ -205,6 +209,43 @@ SET status = 'dead', last_error = 'cancelled', finished_at = now(),
     lease_token = NULL, lease_expires_at = NULL
 WHERE id = $1 AND status IN ('pending', 'leased', 'scheduled')
 RETURNING id;
+
+-- name: pause_kind
+-- Stop leasing kind $1 ($2: who); returns nothing if it was paused already.
+INSERT INTO gpuq.paused_kinds (kind, paused_by) VALUES ($1, $2)
+ON CONFLICT (kind) DO NOTHING
+RETURNING kind;
+
+-- name: resume_kind
+-- Lease kind $1 again, and wake the dispatchers for it (its jobs may be behind a cursor).
+WITH r AS (DELETE FROM gpuq.paused_kinds WHERE kind = $1 RETURNING kind)
+SELECT r.kind, pg_notify('gpuq_jobs', r.kind || '!') FROM r;
+
+-- name: paused_kinds
+-- Every paused kind, who paused it and since when.
+SELECT kind, paused_at, paused_by FROM gpuq.paused_kinds ORDER BY kind;
+
+-- name: retry_count
+-- How many dead jobs match ids $1 (NULL: any), kind $2, error text $3 (substring), finished in [$4, $5).
+SELECT count(*) FROM gpuq.jobs
+WHERE status = 'dead' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
+  AND ($2::text IS NULL OR kind = $2) AND ($3::text IS NULL OR strpos(last_error, $3) > 0)
+  AND ($4::timestamptz IS NULL OR finished_at >= $4) AND ($5::timestamptz IS NULL OR finished_at < $5);
+
+-- name: retry
+-- Send the dead jobs retry_count matches back to pending with fresh attempts, and wake the dispatchers for their kinds.
+WITH r AS (
+    UPDATE gpuq.jobs
+    SET status = 'pending', attempts = 0, run_at = now(), finished_at = NULL, started_at = NULL,
+        lease_token = NULL, leased_by = NULL, lease_expires_at = NULL
+    WHERE status = 'dead' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
+      AND ($2::text IS NULL OR kind = $2) AND ($3::text IS NULL OR strpos(last_error, $3) > 0)
+      AND ($4::timestamptz IS NULL OR finished_at >= $4) AND ($5::timestamptz IS NULL OR finished_at < $5)
+    RETURNING kind
+), kinds AS (
+    SELECT count(*) AS n, string_agg(DISTINCT kind || '!', ',') AS k FROM r
+)
+SELECT n, pg_notify('gpuq_jobs', CASE WHEN length(k) > 7000 THEN '*' ELSE k END) FROM kinds WHERE n > 0;
 
 -- name: prune_window
 -- Delete done/dead rows finished over $3 seconds ago among ids [$1, $2); says whether the window reached young rows.
