@@ -9,13 +9,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gpuq.producer import enqueue, enqueue_many
+    from gpuq.producer import cancel, enqueue, enqueue_many, show
     from gpuq.queue import NewJob
 
-__all__ = ["NewJob", "enqueue", "enqueue_many"]
+__all__ = ["NewJob", "cancel", "enqueue", "enqueue_many", "show"]
 __version__ = "0.1.0"
 
-_LAZY = {"enqueue": "gpuq.producer", "enqueue_many": "gpuq.producer", "NewJob": "gpuq.queue"}
+_LAZY = {"enqueue": "gpuq.producer", "enqueue_many": "gpuq.producer", "cancel": "gpuq.producer",
+         "show": "gpuq.producer", "NewJob": "gpuq.queue"}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,5 @@
-"""The ``gpuq`` command: migrate, serve, sweep, agent, enqueue, status, pause, resume, retry, dev, bench.
+"""The ``gpuq`` command: migrate, serve, sweep, agent, enqueue, status, show, cancel, pause, resume, retry,
+dev, bench.
 
 Every failure an operator can cause (bad flag, unreachable database, missing
 migrations, bad handler path) ends in one ``gpuq: error: ...`` line and a
@@ -136,13 +137,24 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--server", help="also show connected agents, from a server's /status (http://host:port)")
     t.set_defaults(func=cmd_status)
 
+    sh = sub.add_parser("show", help="print one job, every column, as JSON")
+    sh.add_argument("id", metavar="ID", type=int)
+    config.add_flags(sh, "show")
+    sh.set_defaults(func=cmd_show)
+
+    c = sub.add_parser("cancel", help="cancel jobs, pending or running: they end cancelled and are not retried")
+    c.add_argument("ids", metavar="ID", type=int, nargs="+")
+    config.add_flags(c, "cancel")
+    c.set_defaults(func=cmd_cancel)
+
     for name, verb in (("pause", "stop leasing"), ("resume", "lease again")):
         pr = sub.add_parser(name, help=f"{verb} every job of a kind, on every dispatcher (running jobs finish)")
         pr.add_argument("kind", metavar="KIND")
         config.add_flags(pr, name)
         pr.set_defaults(func=cmd_pause_resume)
 
-    r = sub.add_parser("retry", help="send dead jobs back to pending with fresh attempts, by id or by filter")
+    r = sub.add_parser("retry", help="send dead or cancelled jobs back to pending with fresh attempts, "
+                                     "by id or by filter")
     r.add_argument("ids", metavar="ID", type=int, nargs="*", help="job ids (or use the filters)")
     r.add_argument("--kind", help="only jobs of this kind")
     r.add_argument("--error", help="only jobs whose last error contains this text")
@@ -392,6 +404,42 @@ def _admin(action: str, **fields: Any) -> None:
     logs.get("admin").info(f"admin.{action}", by=getpass.getuser(), **fields)
 
 
+def cmd_show(args: argparse.Namespace) -> int:
+    from gpuq import queue
+
+    async def run() -> dict[str, Any] | None:
+        conn = await _connect(args)
+        try:
+            return await queue.show(conn, args.id)
+        finally:
+            await conn.close()
+
+    found = anyio.run(run)
+    if found is None:
+        raise CLIError(f"no job {args.id}")
+    print(json.dumps(found, indent=2, default=str))
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """Cancel each id; one line per id. Exit 1 if any was not live (finished or unknown)."""
+    from gpuq import queue
+
+    async def run() -> dict[int, str]:
+        conn = await _connect(args)
+        try:
+            return await queue.cancel(conn, *args.ids)
+        finally:
+            await conn.close()
+
+    cancelled = anyio.run(run)
+    _admin("cancel", ids=args.ids, cancelled=sorted(cancelled))
+    for job_id in args.ids:
+        was = cancelled.get(job_id)
+        print(f"{job_id}: cancelled (was {was})" if was else f"{job_id}: not live (finished, or no such job)")
+    return 0 if len(cancelled) == len(set(args.ids)) else EXIT_FAILURE
+
+
 def cmd_pause_resume(args: argparse.Namespace) -> int:
     from gpuq import queue
 
@@ -429,11 +477,11 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
     n = anyio.run(run)
     if args.dry_run:
-        print(f"{n} dead job(s) would go back to pending (dry run: nothing changed)")
+        print(f"{n} dead or cancelled job(s) would go back to pending (dry run: nothing changed)")
         return 0
     _admin("retry", jobs=n, ids=args.ids or None, kind=args.kind, error=args.error,
            since=args.since and args.since.isoformat(), until=args.until and args.until.isoformat())
-    print(f"{n} dead job(s) sent back to pending")
+    print(f"{n} dead or cancelled job(s) sent back to pending")
     return 0
 
 

@@ -406,7 +406,7 @@ async def clear_floors(db: DB, dispatcher: int) -> None:
 
 @dataclass(frozen=True, slots=True)
 class RetryFilter:
-    """Which dead jobs ``retry`` sends back: every given criterion must hold (None: any)."""
+    """Which dead or cancelled jobs ``retry`` sends back: every given criterion must hold (None: any)."""
 
     ids: Sequence[int] | None = None
     kind: str | None = None
@@ -437,18 +437,31 @@ async def paused(db: DB) -> dict[str, dict[str, Any]]:
 
 
 async def retry_count(db: DB, which: RetryFilter) -> int:
-    """How many dead jobs ``retry`` would send back (a dry run)."""
+    """How many dead or cancelled jobs ``retry`` would send back (a dry run)."""
     return int(await db.fetchval(queries["retry_count"], *which.args()))
 
 
 async def retry(db: DB, which: RetryFilter) -> int:
-    """Send matching dead jobs back to pending with fresh attempts; how many went."""
+    """Send matching dead or cancelled jobs back to pending with fresh attempts; how many went."""
     return int(await db.fetchval(queries["retry"], *which.args()) or 0)
 
 
-async def cancel(db: DB, job_id: int) -> bool:
-    """Cancel a live job (it becomes dead; a running agent's result is then fenced out)."""
-    return await db.fetchval(queries["cancel"], job_id) is not None
+async def cancel(db: DB, *job_ids: int) -> dict[int, str]:
+    """Cancel live jobs: they end ``cancelled`` and are not retried; a running agent's
+    result is fenced out. Returns each job cancelled and the state it left
+    (jobs already finished, or unknown, are not in it)."""
+    return {r["id"]: r["was"] for r in await db.fetch(queries["cancel"], list(job_ids))}
+
+
+async def show(db: DB, job_id: int) -> dict[str, Any] | None:
+    """Every column of one job (payload and result decoded), or None if there is no such job."""
+    row = await db.fetchrow(queries["show"], job_id)
+    if row is None:
+        return None
+    out = dict(row)
+    for key in ("payload", "result"):
+        out[key] = None if out[key] is None else json.loads(out[key])
+    return out
 
 
 # --------------------------------------------------------------------------

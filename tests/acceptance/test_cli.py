@@ -10,7 +10,8 @@ import pytest
 from gpuq.config import ConfigError
 from gpuq.runtime import use_uvloop
 
-SUBCOMMANDS = ["migrate", "serve", "sweep", "agent", "enqueue", "status", "pause", "resume", "retry", "dev", "bench"]
+SUBCOMMANDS = ["migrate", "serve", "sweep", "agent", "enqueue", "status", "show", "cancel", "pause", "resume",
+               "retry", "dev", "bench"]
 
 
 def gpuq(*args, env=None, stdin=None, timeout=60):
@@ -150,7 +151,7 @@ def test_pause_resume_and_retry_from_the_shell_name_who_did_it(dsn):
     assert gpuq("pause", "embed", env=env).stdout.strip() == "embed: already paused"
     assert gpuq("resume", "embed", env=env).stdout.strip() == "embed: resumed"
     res = gpuq("retry", "--kind", "embed", "--dry-run", env=env)
-    assert res.returncode == 0 and res.stdout.startswith("0 dead job(s) would go back"), res.stderr
+    assert res.returncode == 0 and res.stdout.startswith("0 dead or cancelled job(s) would go back"), res.stderr
     res = gpuq("retry", "--kind", "embed", env=env)
     assert json.loads(res.stderr.strip().splitlines()[-1])["event"] == "admin.retry"
 
@@ -162,3 +163,21 @@ def test_retry_without_ids_or_filters_is_one_clear_line(dsn):
                                   "(kind, error text, time range)")
     res = gpuq("retry", "--since", "yesterday", env={"DATABASE_URL": dsn})
     assert res.returncode == 2 and "not an ISO 8601 time" in res.stderr
+
+
+def test_cancel_and_show_from_the_shell(dsn):
+    env = {"DATABASE_URL": dsn, "GPUQ_LOG_FORMAT": "json"}
+    job_id = int(gpuq("enqueue", "embed", '{"text": "hi"}', env=env).stdout)
+    shown = json.loads(gpuq("show", str(job_id), env=env).stdout)
+    assert shown["status"] == "pending" and shown["payload"] == {"text": "hi"} and shown["kind"] == "embed"
+    res = gpuq("cancel", str(job_id), "999999", env=env)
+    assert res.returncode == 1  # one of them was not live
+    assert res.stdout.splitlines() == [f"{job_id}: cancelled (was pending)",
+                                       "999999: not live (finished, or no such job)"]
+    assert json.loads(res.stderr.strip().splitlines()[-1])["event"] == "admin.cancel"
+    assert json.loads(gpuq("show", str(job_id), env=env).stdout)["status"] == "cancelled"
+    res = gpuq("retry", str(job_id), env=env)
+    assert res.returncode == 0 and res.stdout.strip() == "1 dead or cancelled job(s) sent back to pending"
+    assert json.loads(gpuq("show", str(job_id), env=env).stdout)["status"] == "pending"
+    res = gpuq("show", "999999", env=env)
+    assert res.returncode == 1 and res.stderr.strip() == "gpuq: error: no job 999999"

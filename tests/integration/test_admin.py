@@ -65,3 +65,14 @@ async def test_retry_sends_matching_dead_jobs_back_with_fresh_attempts(live_conn
 async def test_retry_without_a_criterion_is_refused():
     with pytest.raises(ValueError, match="at least one filter"):
         RetryFilter().args()
+
+
+async def test_cancel_and_show_from_python_by_dsn(dsn):
+    import gpuq
+
+    job_id = await gpuq.enqueue(dsn, "train", {"lr": 0.1})
+    assert (await gpuq.show(dsn, job_id))["payload"] == {"lr": 0.1}
+    assert await gpuq.cancel(dsn, job_id, job_id) == {job_id: "pending"}
+    shown = await gpuq.show(dsn, job_id)
+    assert shown["status"] == "cancelled" and shown["finished_at"] is not None
+    assert await gpuq.show(dsn, 10**9) is None

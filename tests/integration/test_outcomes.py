@@ -121,11 +121,24 @@ async def test_release_of_a_last_attempt_ends_dead(conn):
 
 async def test_cancel_live_job_fences_out_the_running_agent(conn):
     j = await _lease_one(conn)
-    assert await queue.cancel(conn, j.id)
+    assert await queue.cancel(conn, j.id) == {j.id: "leased"}
     assert not await queue.complete(conn, j.id, j.lease_token, {"late": 1})
+    assert not await queue.fail(conn, j.id, j.lease_token, "late", retryable=True)  # never retried
     row = await job(conn, j.id)
-    assert row["status"] == "dead" and row["last_error"] == "cancelled"
-    assert not await queue.cancel(conn, j.id)  # already finished
+    assert row["status"] == "cancelled" and row["last_error"] == "cancelled"
+    assert await queue.cancel(conn, j.id) == {}  # already finished
+
+
+async def test_cancel_takes_pending_and_scheduled_jobs_and_skips_finished_ones(conn):
+    done = await _lease_one(conn)
+    assert await queue.complete(conn, done.id, done.lease_token, None)
+    [pending] = await add_pending(conn, 1)
+    later = await conn.fetchval("INSERT INTO gpuq.jobs (kind, status, run_at) "
+                                "VALUES ('train', 'scheduled', now() + interval '1h') RETURNING id")
+    got = await conn.fetch("SELECT * FROM gpuq.cancel($1::bigint[]) ORDER BY id",  # the plain-SQL way
+                           [pending, later, done.id, 10**9])
+    assert [(r["id"], r["was"]) for r in got] == [(pending, "pending"), (later, "scheduled")]
+    assert (await queue.lease(conn, ["train"], 10, "a#1", LEASE)).jobs == []  # cancelled: never leased
 
 
 async def test_completer_isolates_an_outcome_the_database_refuses(pool):

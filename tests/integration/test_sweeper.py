@@ -43,7 +43,8 @@ async def test_sweeper_reclaims_expired_leases_in_bounded_batches(pool, notifica
 async def test_retention_deletes_only_old_history_in_windows(pool):
     async with pool.acquire() as conn:
         await seed_history(conn, 3000)
-        await seed_history(conn, 500, status="dead")
+        await seed_history(conn, 400, status="dead")
+        await seed_history(conn, 100, status="cancelled")
         await conn.execute("UPDATE gpuq.jobs SET created_at = now() - interval '2 days', "
                            "finished_at = now() - interval '2 days'")
         old_live = await add_pending(conn, 3)

@@ -203,12 +203,15 @@ SELECT gpuq.set_floors($1, $2::text[], $3::smallint[]);
 SELECT gpuq.clear_floors($1);
 
 -- name: cancel
--- Cancel a live job: it becomes dead, and a running agent's result is then fenced out.
-UPDATE gpuq.jobs
-SET status = 'dead', last_error = 'cancelled', finished_at = now(),
-    lease_token = NULL, lease_expires_at = NULL
-WHERE id = $1 AND status IN ('pending', 'leased', 'scheduled')
-RETURNING id;
+-- Cancel the live jobs among ids $1 (they end 'cancelled'; a running agent's result is fenced out): each id and the state it left.
+SELECT id, was FROM gpuq.cancel($1::bigint[]);
+
+-- name: show
+-- Every column of job $1, payload and result as JSON text.
+SELECT id, kind, status::text AS status, priority, attempts, max_attempts, payload::text AS payload,
+       result::text AS result, last_error, leased_by, lease_expires_at, run_at, created_at, started_at,
+       finished_at, dedup_key
+FROM gpuq.jobs WHERE id = $1;
 
 -- name: pause_kind
 -- Stop leasing kind $1 ($2: who); returns nothing if it was paused already.
@@ -226,19 +229,19 @@ SELECT r.kind, pg_notify('gpuq_jobs', r.kind || '!') FROM r;
 SELECT kind, paused_at, paused_by FROM gpuq.paused_kinds ORDER BY kind;
 
 -- name: retry_count
--- How many dead jobs match ids $1 (NULL: any), kind $2, error text $3 (substring), finished in [$4, $5).
+-- How many dead or cancelled jobs match ids $1 (NULL: any), kind $2, error text $3 (substring), finished in [$4, $5).
 SELECT count(*) FROM gpuq.jobs
-WHERE status = 'dead' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
+WHERE status IN ('dead', 'cancelled') AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
   AND ($2::text IS NULL OR kind = $2) AND ($3::text IS NULL OR strpos(last_error, $3) > 0)
   AND ($4::timestamptz IS NULL OR finished_at >= $4) AND ($5::timestamptz IS NULL OR finished_at < $5);
 
 -- name: retry
--- Send the dead jobs retry_count matches back to pending with fresh attempts, and wake the dispatchers for their kinds.
+-- Send the dead or cancelled jobs retry_count matches back to pending with fresh attempts, and wake the dispatchers for their kinds.
 WITH r AS (
     UPDATE gpuq.jobs
     SET status = 'pending', attempts = 0, run_at = now(), finished_at = NULL, started_at = NULL,
         lease_token = NULL, leased_by = NULL, lease_expires_at = NULL
-    WHERE status = 'dead' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
+    WHERE status IN ('dead', 'cancelled') AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
       AND ($2::text IS NULL OR kind = $2) AND ($3::text IS NULL OR strpos(last_error, $3) > 0)
       AND ($4::timestamptz IS NULL OR finished_at >= $4) AND ($5::timestamptz IS NULL OR finished_at < $5)
     RETURNING kind
@@ -248,12 +251,12 @@ WITH r AS (
 SELECT n, pg_notify('gpuq_jobs', CASE WHEN length(k) > 7000 THEN '*' ELSE k END) FROM kinds WHERE n > 0;
 
 -- name: prune_window
--- Delete done/dead rows finished over $3 seconds ago among ids [$1, $2); says whether the window reached young rows.
+-- Delete done/dead/cancelled rows finished over $3 seconds ago among ids [$1, $2); says whether the window reached young rows.
 WITH w AS (
     SELECT id, status, finished_at, created_at FROM gpuq.jobs WHERE id >= $1 AND id < $2
 ), del AS (
     DELETE FROM gpuq.jobs j USING w
-    WHERE j.id = w.id AND w.status IN ('done', 'dead') AND w.finished_at < now() - make_interval(secs => $3)
+    WHERE j.id = w.id AND w.status IN ('done', 'dead', 'cancelled') AND w.finished_at < now() - make_interval(secs => $3)
     RETURNING 1
 )
 SELECT (SELECT count(*) FROM del) AS deleted,
