@@ -1,5 +1,5 @@
 """The ``gpuq`` command: migrate, serve, sweep, agent, enqueue, status, show, cancel, pause, resume, retry,
-dev, bench.
+schedule, dev, bench.
 
 Every failure an operator can cause (bad flag, unreachable database, missing
 migrations, bad handler path) ends in one ``gpuq: error: ...`` line and a
@@ -164,6 +164,23 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_flags(r, "retry")
     r.set_defaults(func=cmd_retry)
 
+    sc = sub.add_parser("schedule", help="periodic jobs: add, list, remove (a cron expression enqueues a job "
+                                         "of a kind on each tick)")
+    config.add_flags(sc, "schedule")
+    ssub = sc.add_subparsers(dest="action", metavar="ACTION", required=True)
+    sa = ssub.add_parser("add", help="create a schedule; its first run is the first tick after now")
+    sa.add_argument("name", metavar="NAME")
+    sa.add_argument("--cron", required=True, help="five fields, UTC: minute hour day-of-month month day-of-week")
+    sa.add_argument("--kind", required=True, help="the kind of job each tick enqueues")
+    sa.add_argument("--payload", default="null", help="the job's payload, JSON (default null)")
+    sa.add_argument("--priority", type=int, default=0)
+    sa.add_argument("--max-attempts", type=int, default=5)
+    sl = ssub.add_parser("list", help="every schedule and its next run")
+    sl.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    sr = ssub.add_parser("remove", help="delete a schedule (jobs it already enqueued stay)")
+    sr.add_argument("name", metavar="NAME")
+    sc.set_defaults(func=cmd_schedule)
+
     d = sub.add_parser("dev", help="everything on an embedded PostgreSQL under .gpuq/: server, demo agents, "
                        "a producer, live progress")
     d.add_argument("--agents", type=int, default=3, help="demo agents (default 3)")
@@ -252,7 +269,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             maintainer = Maintainer.standard(pool, interval, retention)
             if args.once:
                 r = await maintainer.run_once()
-                print(json.dumps({k: r[k] for k in ("reclaimed", "dead", "promoted", "pruned")}))
+                print(json.dumps({k: r[k] for k in ("reclaimed", "dead", "promoted", "schedules_fired", "pruned")}))
                 return
             stop = anyio.Event()
             async with anyio.create_task_group() as tg:
@@ -438,6 +455,43 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         was = cancelled.get(job_id)
         print(f"{job_id}: cancelled (was {was})" if was else f"{job_id}: not live (finished, or no such job)")
     return 0 if len(cancelled) == len(set(args.ids)) else EXIT_FAILURE
+
+
+def cmd_schedule(args: argparse.Namespace) -> int:
+    from gpuq import schedules
+
+    if args.action == "add":
+        try:
+            payload = json.loads(args.payload)
+        except ValueError as exc:
+            raise CLIError(f"--payload is not JSON: {exc}") from None
+        schedule = schedules.Schedule(args.name, args.cron, args.kind, payload, args.priority, args.max_attempts)
+
+    async def run() -> Any:
+        conn = await _connect(args)
+        try:
+            if args.action == "add":
+                return await schedules.add(conn, schedule, by=getpass.getuser())
+            if args.action == "remove":
+                return await schedules.remove(conn, args.name)
+            return await schedules.listing(conn)
+        finally:
+            await conn.close()
+
+    got = anyio.run(run)
+    if args.action == "list":
+        if args.json:
+            print(json.dumps(got, indent=2, default=str))
+        for s in [] if args.json else got:
+            print(f"{s['name']}  {s['cron']!r}  kind={s['kind']}  next={s['next_run_at'].isoformat()}")
+        return 0
+    _admin(f"schedule_{args.action}", name=args.name, **({"cron": args.cron, "kind": args.kind}
+                                                         if args.action == "add" else {"removed": got}))
+    if args.action == "add":
+        print(f"{args.name}: first run at {got.isoformat()}")
+        return 0
+    print(f"{args.name}: removed" if got else f"{args.name}: no such schedule")
+    return 0 if got else EXIT_FAILURE
 
 
 def cmd_pause_resume(args: argparse.Namespace) -> int:

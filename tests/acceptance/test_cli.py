@@ -11,7 +11,7 @@ from gpuq.config import ConfigError
 from gpuq.runtime import use_uvloop
 
 SUBCOMMANDS = ["migrate", "serve", "sweep", "agent", "enqueue", "status", "show", "cancel", "pause", "resume",
-               "retry", "dev", "bench"]
+               "retry", "schedule", "dev", "bench"]
 
 
 def gpuq(*args, env=None, stdin=None, timeout=60):
@@ -136,7 +136,7 @@ def test_sweep_once(dsn):
     res = gpuq("sweep", "--once", env={"DATABASE_URL": dsn})
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout.strip().splitlines()[-1]) == {"reclaimed": 0, "dead": 0, "promoted": 0,
-                                                                 "pruned": 0}
+                                                                 "schedules_fired": 0, "pruned": 0}
 
 
 def test_pause_resume_and_retry_from_the_shell_name_who_did_it(dsn):
@@ -181,3 +181,20 @@ def test_cancel_and_show_from_the_shell(dsn):
     assert json.loads(gpuq("show", str(job_id), env=env).stdout)["status"] == "pending"
     res = gpuq("show", "999999", env=env)
     assert res.returncode == 1 and res.stderr.strip() == "gpuq: error: no job 999999"
+
+
+def test_schedule_add_list_and_remove_from_the_shell(dsn):
+    env = {"DATABASE_URL": dsn, "GPUQ_LOG_FORMAT": "json"}
+    res = gpuq("schedule", "add", "refresh", "--cron", "*/5 * * * *", "--kind", "embed", "--payload", '{"a": 1}',
+               env=env)
+    assert res.returncode == 0 and res.stdout.startswith("refresh: first run at "), res.stderr
+    event = json.loads(res.stderr.strip().splitlines()[-1])
+    assert event["event"] == "admin.schedule_add" and event["cron"] == "*/5 * * * *" and event["by"]
+    [listed] = json.loads(gpuq("schedule", "list", "--json", env=env).stdout)
+    assert (listed["name"], listed["kind"], listed["payload"]) == ("refresh", "embed", {"a": 1})
+    assert "refresh  '*/5 * * * *'  kind=embed" in gpuq("schedule", "list", env=env).stdout
+    res = gpuq("schedule", "add", "bad", "--cron", "sometimes", "--kind", "embed", env=env)
+    assert res.returncode == 1 and "bad cron expression" in res.stderr
+    assert gpuq("schedule", "remove", "refresh", env=env).stdout.strip() == "refresh: removed"
+    res = gpuq("schedule", "remove", "refresh", env=env)
+    assert res.returncode == 1 and res.stdout.strip() == "refresh: no such schedule"

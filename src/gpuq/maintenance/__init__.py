@@ -8,7 +8,8 @@ River's ``internal/maintenance`` is the model.
 
 - ``ReclaimExpired``: expired leases back to pending (dead when out of attempts);
 - ``PromoteDue``: due ``scheduled`` rows (retries, delayed jobs) to pending;
-- ``PruneHistory``: done/dead rows older than a retention, in windows of ids.
+- ``FireSchedules``: periodic jobs whose tick has come (``gpuq schedule``);
+- ``PruneHistory``: done/dead/cancelled rows older than a retention, in windows of ids.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from gpuq.loops import run_every
 from gpuq.maintenance.promote import PromoteDue
 from gpuq.maintenance.prune import PruneHistory
 from gpuq.maintenance.reclaim import ReclaimExpired
+from gpuq.maintenance.schedules import FireSchedules
 from gpuq.maintenance.service import INTERVAL_SECONDS, Service
 
 log = logs.get("sweeper")
@@ -40,7 +42,8 @@ class Maintainer:
     def standard(cls, db: Any, interval_seconds: float = INTERVAL_SECONDS,
                  retention_seconds: float | None = None) -> Maintainer:
         """The services ``gpuq serve`` and ``gpuq sweep`` run (retention only when one is set)."""
-        services: list[Service] = [ReclaimExpired(db, interval_seconds), PromoteDue(db, interval_seconds)]
+        services: list[Service] = [ReclaimExpired(db, interval_seconds), PromoteDue(db, interval_seconds),
+                                   FireSchedules(db, interval_seconds)]
         if retention_seconds is not None:
             services.append(PruneHistory(db, retention_seconds, interval_seconds))
         return cls(services)

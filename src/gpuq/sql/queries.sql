@@ -250,6 +250,40 @@ WITH r AS (
 )
 SELECT n, pg_notify('gpuq_jobs', CASE WHEN length(k) > 7000 THEN '*' ELSE k END) FROM kinds WHERE n > 0;
 
+-- name: schedule_add
+-- A periodic job: name $1, cron $2, kind $3, payload $4 (JSON text), priority $5, max attempts $6, first run $7, by $8; nothing if the name exists.
+INSERT INTO gpuq.schedules (name, cron, kind, payload, priority, max_attempts, next_run_at, created_by)
+VALUES ($1, $2, $3, $4::text::jsonb, $5, $6, $7, $8)
+ON CONFLICT (name) DO NOTHING
+RETURNING name;
+
+-- name: schedule_remove
+-- Remove schedule $1; returns its name if it existed.
+DELETE FROM gpuq.schedules WHERE name = $1 RETURNING name;
+
+-- name: schedule_list
+-- Every schedule, by name.
+SELECT name, cron, kind, payload::text AS payload, priority, max_attempts, next_run_at, created_at, created_by
+FROM gpuq.schedules ORDER BY name;
+
+-- name: schedules_due
+-- The database's clock, and the schedules whose next run has come (at most $1).
+SELECT now() AS now, name, cron, next_run_at FROM gpuq.schedules WHERE next_run_at <= now()
+ORDER BY next_run_at LIMIT $1;
+
+-- name: schedules_fire
+-- For each schedule $1 still due at $3, move its next run to $2 and enqueue its job (compare and set: once per tick, whoever runs it).
+WITH fired AS (
+    UPDATE gpuq.schedules s SET next_run_at = n.next_run_at
+    FROM unnest($1::text[], $2::timestamptz[], $3::timestamptz[]) AS n(name, next_run_at, was)
+    WHERE s.name = n.name AND s.next_run_at = n.was
+    RETURNING s.name, s.kind, s.payload, s.priority, s.max_attempts, n.was
+)
+INSERT INTO gpuq.jobs (kind, payload, priority, max_attempts, dedup_key)
+SELECT kind, coalesce(payload, '{}'::jsonb), priority, max_attempts, 'schedule:' || name || '@' || was::text FROM fired
+ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL AND status IN ('pending', 'leased', 'scheduled') DO NOTHING
+RETURNING id;
+
 -- name: prune_window
 -- Delete done/dead/cancelled rows finished over $3 seconds ago among ids [$1, $2); says whether the window reached young rows.
 WITH w AS (
