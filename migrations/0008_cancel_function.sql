@@ -1,18 +1,40 @@
 -- Cancel from plain SQL, any language: SELECT * FROM gpuq.cancel(ARRAY[41, 42]);
 -- Pending, scheduled and leased jobs end 'cancelled' and are not retried. A
 -- leased job's lease token is cleared, so its agent's late outcome is fenced
--- out like any stale result. Returns each job cancelled and the state it left.
+-- out like any stale result, and the dispatchers are told ('cancel:ID,...' on
+-- gpuq_jobs, at most 300 ids per notification) so that the one holding it
+-- tells its agent to stop the handler. Returns each job cancelled and the
+-- state it left.
 CREATE FUNCTION gpuq.cancel(ids bigint[]) RETURNS TABLE (id bigint, was gpuq.job_status)
-LANGUAGE sql AS $$
-    WITH live AS (
-        SELECT j.id, j.status FROM gpuq.jobs j
-        WHERE j.id = ANY(ids) AND j.status IN ('pending', 'scheduled', 'leased')
-        FOR UPDATE
-    )
-    UPDATE gpuq.jobs j
-    SET status = 'cancelled', last_error = 'cancelled', finished_at = now(),
-        lease_token = NULL, lease_expires_at = NULL
-    FROM live
-    WHERE j.id = live.id
-    RETURNING j.id, live.status
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    r record;
+    running bigint[] := '{}';
+BEGIN
+    FOR r IN
+        WITH live AS (
+            SELECT j.id, j.status FROM gpuq.jobs j
+            WHERE j.id = ANY(ids) AND j.status IN ('pending', 'scheduled', 'leased')
+            FOR UPDATE
+        )
+        UPDATE gpuq.jobs j
+        SET status = 'cancelled', last_error = 'cancelled', finished_at = now(),
+            lease_token = NULL, lease_expires_at = NULL
+        FROM live
+        WHERE j.id = live.id
+        RETURNING j.id AS job_id, live.status AS previous
+    LOOP
+        id := r.job_id;
+        was := r.previous;
+        RETURN NEXT;
+        IF r.previous = 'leased' THEN
+            running := running || r.job_id;
+        END IF;
+    END LOOP;
+    WHILE cardinality(running) > 0 LOOP
+        PERFORM pg_notify('gpuq_jobs', 'cancel:' || array_to_string(running[1:300], ','));
+        running := running[301:];
+    END LOOP;
+END
 $$;

@@ -13,6 +13,11 @@
 A handler that raises fails the job (retried with backoff); raise
 ``PermanentError`` for a failure that must not be retried. Plain (sync)
 functions run in a worker thread, so they never block the connection.
+
+Cancelled jobs (``gpuq cancel``): an async handler is cancelled (it sees
+``asyncio.CancelledError``; a process it started with ``run_process`` gets
+SIGTERM, then SIGKILL after a grace period); a sync handler finds
+``job.cancelled`` true and should return early.
 Outcomes go to the server in ``results`` frames, as many as are ready at
 once; they are kept until the server acknowledges them (after its commit)
 and sent again after a reconnect; fencing makes a resent result harmless.
@@ -24,6 +29,7 @@ import asyncio
 import inspect
 import socket
 import ssl
+import subprocess
 import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -34,7 +40,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI
 
 from gpuq import logs, protocol
 from gpuq.loops import RetryBackoff, run_every
-from gpuq.protocol import Ack, Error, Hello, Jobs, ServerDrain, Welcome
+from gpuq.protocol import Ack, Cancel, Error, Hello, Jobs, ServerDrain, Welcome
 from gpuq.protocol.agent_side import AgentProtocol
 from gpuq.signals import stop_on_signal
 
@@ -85,6 +91,7 @@ class Agent:
         self.protocol = AgentProtocol(Hello(self.name, self.kinds, capacity))  # checks the hello
         self._ready = asyncio.Event()  # the protocol has frames to send
         self._stop_event = asyncio.Event()
+        self._tasks: dict[int, asyncio.Task[None]] = {}  # job id -> its async handler's task
 
     @property
     def completed(self) -> int:
@@ -156,6 +163,8 @@ class Agent:
                 tg.start_soon(self._run_jobs, list(msg.jobs))
             elif isinstance(msg, Ack) and msg.rejected:
                 log.warning("agent.results_rejected", agent=self.name, job_ids=list(msg.rejected))
+            elif isinstance(msg, Cancel):
+                self._cancel(msg.ids)
             elif isinstance(msg, ServerDrain):
                 log.info("agent.server_draining", agent=self.name, deadline_seconds=msg.deadline_seconds)
             elif isinstance(msg, Error):
@@ -168,13 +177,26 @@ class Agent:
 
         One anyio task per push with a plain asyncio task per job under it
         (gather cancels them with it): an anyio task per job cost a third of
-        the agent's CPU with short jobs.
+        the agent's CPU with short jobs. The tasks are kept by job id, so a
+        ``cancel`` can stop one handler.
         """
         is_async = inspect.iscoroutinefunction(self.handler)
-        if len(jobs) == 1:
-            await self._run_job(jobs[0], is_async)
-        else:
-            await asyncio.gather(*(self._run_job(job, is_async) for job in jobs))
+        tasks = [asyncio.ensure_future(self._run_job(job, is_async)) for job in jobs]
+        if is_async:
+            self._tasks.update(zip((job.id for job in jobs), tasks, strict=True))
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for job in jobs:
+                self._tasks.pop(job.id, None)
+
+    def _cancel(self, ids: tuple[int, ...]) -> None:
+        """The server cancelled these running jobs (the protocol marked them ``cancelled``)."""
+        for job_id in ids:
+            if (task := self._tasks.get(job_id)) is not None:
+                task.cancel()
+        if ids:
+            log.info("agent.jobs_cancelled", agent=self.name, job_ids=list(ids))
 
     async def _run_job(self, job: Job, is_async: bool) -> None:
         try:
@@ -182,6 +204,10 @@ class Agent:
                 result = await self.handler(job)
             else:
                 result = await anyio.to_thread.run_sync(self.handler, job)
+        except asyncio.CancelledError:
+            if not job.cancelled:
+                raise  # the agent is stopping, not the job
+            self.protocol.job_failed(job, "cancelled", retryable=False)
         except PermanentError as exc:
             self.protocol.job_failed(job, _summary(exc), retryable=False)
         except Exception as exc:  # the handler's failure is the job's, not ours
@@ -219,6 +245,33 @@ class Agent:
             tg.start_soon(stop_on_signal, self.stop)
             await self.run()
             tg.cancel_scope.cancel()
+
+
+async def run_process(*argv: str, grace_seconds: float = 10.0, **kwargs: Any) -> subprocess.CompletedProcess[bytes]:
+    """Run a program from an async handler and wait for it; its output is captured.
+
+    If the handler is cancelled (``gpuq cancel``, or the agent stopping), the
+    process gets SIGTERM, then SIGKILL if it is still there after
+    ``grace_seconds``, before the cancellation goes on.
+    """
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+    try:
+        out, err = await proc.communicate()
+    except asyncio.CancelledError:
+        await _stop_process(proc, grace_seconds)
+        raise
+    return subprocess.CompletedProcess(list(argv), proc.returncode or 0, out, err)
+
+
+async def _stop_process(proc: asyncio.subprocess.Process, grace_seconds: float) -> None:
+    if proc.returncode is not None:
+        return
+    proc.terminate()
+    try:
+        await asyncio.shield(asyncio.wait_for(proc.wait(), grace_seconds))
+    except TimeoutError:
+        proc.kill()
+        await asyncio.shield(proc.wait())
 
 
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:

@@ -186,7 +186,12 @@ class Dispatcher:
         log.info("agent.draining", agent=session.id, inflight=len(session.inflight))
 
     async def heartbeat(self, session: AgentSession, ids: tuple[int, ...]) -> set[int]:
-        return await queue.heartbeat(self.pool, ids, session.id, self.config.lease_seconds)
+        """Extend the leases; a job whose lease is gone (cancelled, or reclaimed) is cancelled on
+        the agent too: this reaches it even when no notification can (poll-only behind a pooler)."""
+        extended = await queue.heartbeat(self.pool, ids, session.id, self.config.lease_seconds)
+        if lost := [i for i in ids if i not in extended]:
+            self._cancel_running(lost)
+        return extended
 
     def _credit_freed(self, session: AgentSession, new_agent: bool = False) -> None:
         if new_agent:
@@ -198,6 +203,9 @@ class Dispatcher:
 
     def _on_notify(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
         metrics.NOTIFICATIONS.inc()
+        if payload.startswith(queue.CANCEL_PREFIX):
+            self._cancel_running(queue.parse_cancel(payload))
+            return
         wakeup = queue.parse_wakeup(payload)
         if wakeup.every:
             self.wake_all(rewind=wakeup.rewind)
@@ -208,6 +216,13 @@ class Dispatcher:
                 self._cursors.pop(kind, None)  # jobs behind it: start that kind from the top
                 self._rewinds += 1
         self._wake.set()
+
+    def _cancel_running(self, ids: list[int]) -> None:
+        """Jobs cancelled while leased: the agents holding them are told to stop their handlers."""
+        for session in self.sessions.values():
+            if told := session.protocol.cancel(ids):
+                session.flush()
+                log.info("job.cancel_sent", agent=session.id, job_ids=told)
 
     def wake_all(self, rewind: bool = False) -> None:
         """Lease for every group on the next pass; ``rewind``: from the top of every kind."""

@@ -347,6 +347,14 @@ class Wakeup:
     rewind: bool = False
 
 
+CANCEL_PREFIX = "cancel:"  # gpuq.cancel() announces leased jobs it cancelled: 'cancel:41,42'
+
+
+def parse_cancel(payload: str) -> list[int]:
+    """The job ids of a ``cancel:ID,...`` notification (anything unreadable is skipped)."""
+    return [int(i) for i in payload[len(CANCEL_PREFIX):].split(",") if i.isdigit()]
+
+
 def parse_wakeup(payload: str) -> Wakeup:
     """``+`` (inserted while a dispatcher waits, migration 0005), ``kind@priority`` (inserted
     above a lease floor), ``kind!`` (moved back), ``kind``, or ``*``."""

@@ -148,7 +148,7 @@ class AgentServer:
 
         session = AgentSession(proto, flush=flush, close=ws.close)
         proto.accept(Welcome(session.id, self.config.lease_seconds, self.config.heartbeat_seconds,
-                             self.config.max_payload))
+                             self.config.max_payload, proto.version))
         await _send_all(ws, proto)
         self.d.register(session)
         try:

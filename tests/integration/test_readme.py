@@ -60,3 +60,16 @@ async def test_the_ten_line_agent_example_runs_jobs(dsn, pool):
                 await anyio.sleep(0.01)
     assert await pool.fetchval("SELECT result FROM gpuq.jobs WHERE id = $1", good) == {"vector": [5]}
     assert "no text" in await pool.fetchval("SELECT last_error FROM gpuq.jobs WHERE id = $1", bad)
+
+
+async def test_the_long_jobs_example_cancels_a_job_and_shows_it(pool):
+    [example] = [b for b in blocks("python") if "gpuq.cancel" in b]
+    namespace = {"pool": pool}
+    await run_python(example, namespace)
+    assert namespace["cancelled"] == {namespace["job_id"]: "pending"}
+    assert namespace["job"]["status"] == "cancelled"
+
+    class Job:  # the sync handler stops at the first step once cancelled
+        payload, cancelled = {"steps": 5}, True
+
+    assert namespace["train"](Job()) == {"stopped_at": 0}

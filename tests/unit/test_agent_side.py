@@ -126,3 +126,15 @@ def test_a_second_welcome_is_refused():
     p = connected()
     with pytest.raises(ProtocolError, match="second welcome"):
         p.receive(WELCOME)
+
+
+def test_a_cancel_marks_the_running_jobs_it_names():
+    from gpuq.protocol import Cancel
+
+    p = connected()
+    p.receive(jobs_frame(1, 2))
+    running = dict(p.running)
+    assert p.receive(json.dumps({"type": "cancel", "ids": [2, 3]})) == Cancel((2,))  # 3 is not running here
+    assert running[2].cancelled and not running[1].cancelled
+    p.job_failed(running[2], "cancelled", retryable=False)  # reported like any outcome; the server fences it
+    assert 2 not in p.running and 2 in p.unacked

@@ -25,10 +25,12 @@ class Leased:
             id, lease_token, kind, payload_json, attempt)
 
 
-def opened(**kw) -> ServerProtocol:
+def opened(version: int = 1, **kw) -> ServerProtocol:
     p = ServerProtocol(max_payload=kw.pop("max_payload", 4096), max_messages_per_second=kw.pop("rate", 1000),
                        now=0.0, **kw)
-    assert p.receive(HELLO, 0.0) == [HelloReceived(Hello("a", ("embed",), 2))]
+    hello = HELLO.replace('"protocol": 1', f'"protocol": {version}')
+    assert p.receive(hello, 0.0) == [HelloReceived(Hello("a", ("embed",), 2, version))]
+    assert p.version == version
     p.accept(Welcome("a#1", 30, 5, 4096))
     assert json.loads(p.frames_to_send()[0])["type"] == "welcome"
     return p
@@ -176,4 +178,28 @@ def test_acks_and_drain_go_out_in_order():
     p.send_drain(5.0)
     assert sent(p) == [{"type": "ack", "accepted": [1, 2], "rejected": [3]},
                        {"type": "drain", "deadline_seconds": 5.0}]
-    assert encode(Hello("a", ("embed",), 2)) == json.dumps(json.loads(HELLO), separators=(",", ":"))
+    assert encode(Hello("a", ("embed",), 2, 1)) == json.dumps(json.loads(HELLO), separators=(",", ":"))
+
+
+def test_a_version_2_agent_is_told_which_of_its_jobs_were_cancelled():
+    p = opened(version=2)
+    p.send_jobs([Leased(7), Leased(8)])
+    p.frames_to_send()
+    assert p.cancel([8, 99]) == [8]  # 99 is not held here
+    assert sent(p) == [{"type": "cancel", "ids": [8]}]
+    assert p.held.keys() == {7, 8}  # held, with its credit, until the agent reports it
+    assert p.cancel([99]) == [] and sent(p) == []
+
+
+def test_a_version_1_agent_gets_no_cancel_message_and_keeps_working():
+    p = opened(version=1)
+    p.send_jobs([Leased(7)])
+    p.frames_to_send()
+    assert p.cancel([7]) == [] and sent(p) == []
+
+
+@pytest.mark.parametrize("version", [0, 3, True, "2"])
+def test_an_unknown_protocol_version_is_refused_with_4003(version):
+    p = ServerProtocol(max_payload=4096, max_messages_per_second=1000, now=0.0)
+    p.receive(HELLO.replace('"protocol": 1', f'"protocol": {json.dumps(version)}'), 0.0)
+    assert p.close_to_send()[0] == CloseCode.UNSUPPORTED_VERSION

@@ -13,7 +13,9 @@ I/O layer (``gpuq.agent``) feeds frames to ``receive()`` and sends what
   ``max_payload``; a result the server could not take (not JSON, too large,
   U+0000) becomes a permanent ``failed`` instead;
 - after ``drain()`` the agent is ``finished`` once nothing runs and every
-  outcome is acknowledged.
+  outcome is acknowledged;
+- a ``cancel`` marks the named running jobs ``cancelled`` (the I/O layer
+  stops their handlers); their outcomes are reported as usual, and fenced.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from gpuq.protocol.codes import ErrorCode, ProtocolError
 from gpuq.protocol.messages import (
     RESULTS_OVERHEAD,
     Ack,
+    Cancel,
     Drain,
     Failed,
     Heartbeat,
@@ -77,7 +80,8 @@ class AgentProtocol:
 
     def receive(self, frame: str | bytes) -> ServerMessage:
         """Take one frame from the server; what it says is the event (``Welcome``, ``Jobs``,
-        ``Ack``, ``ServerDrain`` or ``Error``), its bookkeeping already done."""
+        ``Ack``, ``ServerDrain``, ``Error``, or ``Cancel`` naming the jobs still running), its
+        bookkeeping already done."""
         msg = parse_server(frame)
         if self.state is State.AWAITING_WELCOME:
             if not isinstance(msg, Welcome):
@@ -96,6 +100,11 @@ class AgentProtocol:
             for i in (*msg.accepted, *msg.rejected):
                 self.unacked.pop(i, None)
             self.completed += len(msg.accepted)
+        elif isinstance(msg, Cancel):
+            running = [self.running[i] for i in msg.ids if i in self.running]
+            for job in running:
+                object.__setattr__(job, "cancelled", True)  # the one mutable flag of a pushed job
+            return Cancel(tuple(job.id for job in running))
         return msg
 
     # -- outcomes ------------------------------------------------------------

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from enum import IntEnum, StrEnum
 
-__all__ = ["MAX_CAPACITY", "MAX_ERROR_TEXT", "MAX_HEARTBEAT_IDS", "MAX_JOB_ID", "MAX_KINDS", "MAX_RESULTS",
-           "PROTOCOL_VERSION", "CloseCode", "ErrorCode", "ProtocolError"]
+__all__ = ["CANCEL_SINCE", "MAX_CAPACITY", "MAX_CANCEL_IDS", "MAX_ERROR_TEXT", "MAX_HEARTBEAT_IDS", "MAX_JOB_ID",
+           "MAX_KINDS", "MAX_RESULTS", "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CloseCode", "ErrorCode",
+           "ProtocolError"]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # what this side speaks
+SUPPORTED_VERSIONS = (1, 2)  # what a server accepts in a hello; it answers in the agent's version
+CANCEL_SINCE = 2  # the first version with the server's ``cancel`` message
 
 MAX_KINDS = 64
 MAX_CAPACITY = 4096
@@ -15,6 +18,7 @@ MAX_ERROR_TEXT = 8192
 MAX_HEARTBEAT_IDS = 4096
 MAX_JOB_ID = 2**63 - 1
 MAX_RESULTS = 4096  # outcomes in one ``results`` message
+MAX_CANCEL_IDS = 4096  # job ids in one ``cancel`` message
 
 
 class CloseCode(IntEnum):

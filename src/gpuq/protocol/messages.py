@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpuq.kinds import KIND_RULE, is_kind
 from gpuq.protocol.codes import (
+    MAX_CANCEL_IDS,
     MAX_CAPACITY,
     MAX_ERROR_TEXT,
     MAX_HEARTBEAT_IDS,
@@ -25,12 +26,13 @@ from gpuq.protocol.codes import (
     MAX_KINDS,
     MAX_RESULTS,
     PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
     CloseCode,
     ErrorCode,
     ProtocolError,
 )
 
-__all__ = ["AGENT_NAME", "RESULTS_OVERHEAD", "Ack", "ClientMessage", "Done", "Drain", "Error", "Failed", "Heartbeat",
+__all__ = ["AGENT_NAME", "RESULTS_OVERHEAD", "Ack", "Cancel", "ClientMessage", "Done", "Drain", "Error", "Failed", "Heartbeat",
            "Hello", "JobMessage", "Jobs", "Results", "ServerDrain", "ServerMessage", "Welcome", "contains_nul",
            "encode", "encode_done", "job_message", "jobs_frame", "pack_results", "parse_client", "parse_server"]
 
@@ -205,9 +207,10 @@ RESULTS_OVERHEAD = len(_RESULTS_HEAD) + len(_RESULTS_TAIL)  # bytes a one-item f
 
 def _hello(obj: dict[str, Any]) -> Hello:
     version = obj["protocol"]
-    if version != PROTOCOL_VERSION or isinstance(version, bool):
+    if version not in SUPPORTED_VERSIONS or not _is_int(version):
         raise ProtocolError(BAD_MESSAGE, f"protocol {version!r} is not supported; this server speaks "
-                            f"{PROTOCOL_VERSION}", fatal=True, close=CloseCode.UNSUPPORTED_VERSION)
+                            f"{', '.join(map(str, SUPPORTED_VERSIONS))}", fatal=True,
+                            close=CloseCode.UNSUPPORTED_VERSION)
     agent, kinds, capacity = obj["agent"], obj["kinds"], obj["capacity"]
     if not isinstance(agent, str) or not AGENT_NAME.fullmatch(agent):
         raise ProtocolError(BAD_MESSAGE, "hello.agent must be 1-64 characters of A-Z a-z 0-9 _ . : @ -",
@@ -237,11 +240,18 @@ class Welcome:
 
 @dataclass(frozen=True, slots=True)
 class JobMessage:
+    """A job pushed to the agent: what its handler gets.
+
+    ``cancelled`` turns true when the server cancels the job (``gpuq cancel``):
+    a sync handler checks it and returns early; an async one is cancelled.
+    """
+
     id: int
     lease_token: str
     kind: str
     payload: Any
     attempt: int
+    cancelled: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,7 +280,15 @@ class Error:
     message: str
 
 
-ServerMessage = Welcome | Jobs | Ack | ServerDrain | Error
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """From the server (protocol 2): these jobs of yours were cancelled; stop their handlers.
+    Their outcome, if any is sent, will be refused by fencing."""
+
+    ids: tuple[int, ...]
+
+
+ServerMessage = Welcome | Jobs | Ack | ServerDrain | Error | Cancel
 
 
 def encode(msg: ServerMessage | ClientMessage) -> str:
@@ -295,6 +313,8 @@ def encode(msg: ServerMessage | ClientMessage) -> str:
                 "heartbeat_seconds": msg.heartbeat_seconds, "max_payload": msg.max_payload}
     elif isinstance(msg, ServerDrain):
         body = {"type": "drain", "deadline_seconds": msg.deadline_seconds}
+    elif isinstance(msg, Cancel):
+        body = {"type": "cancel", "ids": list(msg.ids)}
     elif isinstance(msg, Error):
         body = {"type": "error", "code": msg.code, "message": msg.message}
     elif isinstance(msg, Hello):
@@ -337,6 +357,11 @@ def parse_server(frame: str | bytes) -> ServerMessage:
             return ServerDrain(float(obj["deadline_seconds"]))
         if kind == "error":
             return Error(str(obj["code"]), str(obj["message"]))
+        if kind == "cancel":
+            ids = obj["ids"]
+            if not isinstance(ids, list) or len(ids) > MAX_CANCEL_IDS:
+                raise ValueError(f"cancel.ids must be a list of at most {MAX_CANCEL_IDS} job ids")
+            return Cancel(tuple(_job_id(i) for i in ids))
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(BAD_MESSAGE, f"malformed {kind} message from the server: {exc}") from None
     raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r} from the server")

@@ -14,18 +14,22 @@ connection lives here:
   ``burst_seconds``, else 4008;
 - credit: ``capacity`` minus the jobs held, none while draining; an outcome
   whose token matches a held job frees its credit;
-- a heartbeat only for jobs this connection holds (``not_held``).
+- a heartbeat only for jobs this connection holds (``not_held``);
+- the connection speaks the agent's version (1 or 2); ``cancel`` messages go
+  only to agents of version 2 and only name jobs the connection holds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
-from gpuq.protocol.codes import CloseCode, ErrorCode, ProtocolError
+from gpuq.protocol.codes import CANCEL_SINCE, CloseCode, ErrorCode, ProtocolError
 from gpuq.protocol.messages import (
     Ack,
+    Cancel,
     ClientMessage,
     Done,
     Drain,
@@ -164,6 +168,11 @@ class ServerProtocol:
         if self.state is State.AWAITING_HELLO and now >= self.hello_deadline:
             self._close_with(CloseCode.HELLO_TIMEOUT, "no hello in time")
 
+    @property
+    def version(self) -> int:
+        """The protocol version of this connection: the agent's (its hello was checked)."""
+        return self.hello.protocol if self.hello else 0
+
     def _hello(self, msg: ClientMessage) -> list[Event]:
         if not isinstance(msg, Hello):
             raise ProtocolError(ErrorCode.UNEXPECTED, "the first message must be hello", fatal=True)
@@ -236,6 +245,16 @@ class ServerProtocol:
 
     def send_ack(self, accepted: tuple[int, ...], rejected: tuple[int, ...]) -> None:
         self._out.append(encode(Ack(accepted, rejected)))
+
+    def cancel(self, ids: Iterable[int]) -> list[int]:
+        """Tell the agent these jobs were cancelled: those this connection holds, if its version
+        has ``cancel`` (a version 1 agent runs them to the end; fencing refuses the outcome).
+        They stay held, and keep their credit, until the agent reports them."""
+        held = [i for i in ids if i in self.held]
+        if held and self.version >= CANCEL_SINCE and self.state is State.OPEN:
+            self._out.append(encode(Cancel(tuple(held))))
+            return held
+        return []
 
     def send_drain(self, deadline_seconds: float) -> None:
         self._out.append(encode(ServerDrain(deadline_seconds)))
