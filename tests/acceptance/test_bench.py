@@ -106,3 +106,9 @@ def test_producers_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> 
                     "--rounds", "1")
     assert {"commits_per_s", "no_trigger_commits_per_s", "commit_ratio", "consumed", "rounds"} <= got.keys()
     assert got["consumed"] is True
+
+
+def test_control_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    got = run_bench(capsys, server_dsn, "control", "--jobs", "3")
+    assert {"cancel_p50_ms", "cancel_p99_ms", "lost"} <= got.keys()
+    assert got["lost"] == 0

@@ -12,7 +12,8 @@ import importlib
 from collections.abc import Sequence
 
 # Bench name -> module; the order of ``gpuq bench --help``.
-MODULES = ("lease_history", "raw", "throughput", "chaos", "soak", "fuzz", "latency", "agents", "snapshot", "producers")
+MODULES = ("lease_history", "raw", "throughput", "chaos", "soak", "fuzz", "latency", "agents", "snapshot", "producers",
+           "control")
 
 
 def register(parser: argparse.ArgumentParser) -> None:
