@@ -3,14 +3,15 @@
 -- leased job's lease token is cleared, so its agent's late outcome is fenced
 -- out like any stale result, and the dispatchers are told ('cancel:ID,...' on
 -- gpuq_jobs, at most 300 ids per notification) so that the one holding it
--- tells its agent to stop the handler. Returns each job cancelled and the
--- state it left.
+-- tells its agent to stop the handler; waiters are told on gpuq_outcomes.
+-- Returns each job cancelled and the state it left.
 CREATE FUNCTION gpuq.cancel(ids bigint[]) RETURNS TABLE (id bigint, was gpuq.job_status)
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
     r record;
     running bigint[] := '{}';
+    ended bigint[] := '{}';
 BEGIN
     FOR r IN
         WITH live AS (
@@ -28,6 +29,7 @@ BEGIN
         id := r.job_id;
         was := r.previous;
         RETURN NEXT;
+        ended := ended || r.job_id;
         IF r.previous = 'leased' THEN
             running := running || r.job_id;
         END IF;
@@ -35,6 +37,10 @@ BEGIN
     WHILE cardinality(running) > 0 LOOP
         PERFORM pg_notify('gpuq_jobs', 'cancel:' || array_to_string(running[1:300], ','));
         running := running[301:];
+    END LOOP;
+    WHILE cardinality(ended) > 0 LOOP  -- and whoever waits for them (gpuq.wait)
+        PERFORM pg_notify('gpuq_outcomes', array_to_string(ended[1:300], ','));
+        ended := ended[301:];
     END LOOP;
 END
 $$;

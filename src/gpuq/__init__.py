@@ -9,14 +9,26 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gpuq.producer import cancel, enqueue, enqueue_many, show
+    from gpuq.producer import (
+        JobCancelled,
+        JobDead,
+        JobError,
+        WaitTimeout,
+        cancel,
+        enqueue,
+        enqueue_many,
+        show,
+        wait,
+    )
     from gpuq.queue import NewJob
 
-__all__ = ["NewJob", "cancel", "enqueue", "enqueue_many", "show"]
+__all__ = ["JobCancelled", "JobDead", "JobError", "NewJob", "WaitTimeout", "cancel", "enqueue", "enqueue_many",
+           "show", "wait"]
 __version__ = "0.1.0"
 
-_LAZY = {"enqueue": "gpuq.producer", "enqueue_many": "gpuq.producer", "cancel": "gpuq.producer",
-         "show": "gpuq.producer", "NewJob": "gpuq.queue"}
+_LAZY = {"NewJob": "gpuq.queue", **dict.fromkeys(
+    ("enqueue", "enqueue_many", "cancel", "show", "wait", "JobError", "JobDead", "JobCancelled", "WaitTimeout"),
+    "gpuq.producer")}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,5 +1,5 @@
-"""The ``gpuq`` command: migrate, serve, sweep, agent, enqueue, status, show, cancel, pause, resume, retry,
-schedule, dev, bench.
+"""The ``gpuq`` command: migrate, serve, sweep, agent, enqueue, status, show, wait, cancel, pause, resume,
+retry, schedule, dev, bench.
 
 Every failure an operator can cause (bad flag, unreachable database, missing
 migrations, bad handler path) ends in one ``gpuq: error: ...`` line and a
@@ -141,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("id", metavar="ID", type=int)
     config.add_flags(sh, "show")
     sh.set_defaults(func=cmd_show)
+
+    wt = sub.add_parser("wait", help="wait for a job to end: print its result, or exit 1 if it died, was "
+                                     "cancelled or the timeout passed")
+    wt.add_argument("id", metavar="ID", type=int)
+    wt.add_argument("--timeout", type=float, default=None, help="seconds (default: no limit)")
+    config.add_flags(wt, "wait")
+    wt.set_defaults(func=cmd_wait)
 
     c = sub.add_parser("cancel", help="cancel jobs, pending or running: they end cancelled and are not retried")
     c.add_argument("ids", metavar="ID", type=int, nargs="+")
@@ -435,6 +442,24 @@ def cmd_show(args: argparse.Namespace) -> int:
     if found is None:
         raise CLIError(f"no job {args.id}")
     print(json.dumps(found, indent=2, default=str))
+    return 0
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    from gpuq.producer import JobError, wait
+
+    async def run() -> Any:
+        conn = await _connect(args)
+        try:
+            return await wait(conn, args.id, args.timeout)
+        finally:
+            await conn.close()
+
+    try:
+        result = anyio.run(run)
+    except JobError as exc:
+        raise CLIError(str(exc)) from None
+    print(json.dumps(result))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Producer helpers: put jobs on the queue from Python, cancel them, look at them.
+"""Producer helpers: put jobs on the queue from Python, cancel them, look at them, await them.
 
 Any program can also just ``INSERT INTO gpuq.jobs (kind, payload) VALUES ...``;
 the trigger notifies the dispatcher either way. These helpers add batching,
@@ -10,6 +10,8 @@ opened and closed for the call: fine for scripts, wasteful in a loop).
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
@@ -17,6 +19,7 @@ from typing import Any, TypeVar
 from gpuq import queue
 from gpuq.db import connect
 from gpuq.queue import DB, NewJob
+from gpuq.sql import queries
 
 T = TypeVar("T")
 
@@ -50,6 +53,76 @@ async def cancel(db: DB | str, *job_ids: int) -> dict[int, str]:
 async def show(db: DB | str, job_id: int) -> dict[str, Any] | None:
     """The whole job as a dict, or None."""
     return await _with(db, lambda c: queue.show(c, job_id))
+
+
+class JobError(Exception):
+    """A job that ended without a result; ``job`` is what ``show`` returns."""
+
+    def __init__(self, job_id: int, message: str, job: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.job_id, self.job = job_id, job
+
+
+class JobDead(JobError):
+    """The job failed for good: no attempts left, or a permanent error (``last_error`` says which)."""
+
+
+class JobCancelled(JobError):
+    """The job was cancelled."""
+
+
+class WaitTimeout(JobError, TimeoutError):
+    """The job did not end within the timeout (it goes on)."""
+
+
+async def wait(db: DB | str, job_id: int, timeout: float | None = None) -> Any:
+    """The result of job ``job_id`` once it is done; ``JobDead``, ``JobCancelled`` or ``WaitTimeout``.
+
+    Woken by the notification that the statement ending a job sends when it
+    commits (channel ``gpuq_outcomes``, one per batch); it LISTENs before it
+    first reads the job, so no ending can fall between. No polling. ``db``
+    may be a DSN (a connection is opened for the wait), a pool (one of its
+    connections is held while waiting) or a connection.
+    """
+    if isinstance(db, str):
+        conn = await connect(db)
+        try:
+            return await _wait_on(conn, job_id, timeout)
+        finally:
+            await conn.close()
+    if hasattr(db, "acquire"):
+        async with db.acquire() as conn:
+            return await _wait_on(conn, job_id, timeout)
+    return await _wait_on(db, job_id, timeout)
+
+
+async def _wait_on(conn: Any, job_id: int, timeout: float | None) -> Any:
+    ended = asyncio.Event()
+    key = str(job_id)
+
+    def on_outcomes(_c: Any, _pid: int, _channel: str, payload: str) -> None:
+        if key in payload.split(","):
+            ended.set()
+
+    await conn.add_listener(queue.OUTCOMES_CHANNEL, on_outcomes)
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                ended.clear()
+                row = await conn.fetchrow(queries["job_outcome"], job_id)
+                if row is None:
+                    raise JobError(job_id, f"no job {job_id}")
+                if row["status"] == "done":
+                    return None if row["result"] is None else json.loads(row["result"])
+                if row["status"] == "dead":
+                    raise JobDead(job_id, f"job {job_id} is dead: {row['last_error']}", await queue.show(conn, job_id))
+                if row["status"] == "cancelled":
+                    raise JobCancelled(job_id, f"job {job_id} was cancelled", await queue.show(conn, job_id))
+                await ended.wait()
+    except TimeoutError:
+        raise WaitTimeout(job_id, f"job {job_id} did not end within {timeout} s") from None
+    finally:
+        await conn.remove_listener(queue.OUTCOMES_CHANNEL, on_outcomes)
 
 
 async def _with(db: DB | str, call: Callable[[DB], Awaitable[T]]) -> T:

@@ -204,6 +204,8 @@ async def lease_slots(db: DB, kinds: Sequence[str], slots: Sequence[str], lease_
     # (pending by priority and id, then reclaimed ones by expiry).
     rows.sort(key=_BY_SLOT)
     jobs = [_leased(r) for r in rows if r["status"] == "leased"]  # the others went dead
+    if len(jobs) < len(rows):
+        await notify_outcomes(db, [r["id"] for r in rows if r["status"] != "leased"])
     picked = [r for r in rows if r["phase"] == 1]
     last = {r["kind"]: (r["priority"], r["id"]) for r in picked}  # slot order: the last of each kind wins
     last = {kind: _cursor(priority, job_id, settled) for kind, (priority, job_id) in last.items()}
@@ -304,6 +306,8 @@ async def _move_and_notify(db: DB, name: str, *args: Any) -> Moved:
                   {r["kind"] for r in rows if r["status"] == "pending"})
     if moved.kinds:
         await notify(db, moved.kinds, behind=True)
+    if moved.dead:
+        await notify_outcomes(db, moved.dead)
     return moved
 
 
@@ -327,6 +331,16 @@ async def reclaim_expired(db: DB, limit: int = 1000) -> Moved:
 async def promote_due(db: DB, limit: int = 1000) -> Moved:
     """Sweeper: scheduled rows whose run_at has come become pending."""
     return await _move_and_notify(db, "promote_due", limit)
+
+
+OUTCOMES_CHANNEL = "gpuq_outcomes"  # job ids that ended (done, dead, cancelled): what gpuq.wait listens to
+_IDS_PER_NOTIFY = 300  # ids of up to 19 digits stay under NOTIFY's 8000-byte payload
+
+
+async def notify_outcomes(db: DB, ids: Sequence[int]) -> None:
+    """Tell waiters these jobs ended (the completer's statements do it themselves)."""
+    for i in range(0, len(ids), _IDS_PER_NOTIFY):
+        await db.execute(queries["notify_outcomes"], ",".join(map(str, ids[i:i + _IDS_PER_NOTIFY])))
 
 
 async def notify(db: DB, kinds: Iterable[str], behind: bool = False) -> None:

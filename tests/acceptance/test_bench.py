@@ -110,5 +110,5 @@ def test_producers_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> 
 
 def test_control_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
     got = run_bench(capsys, server_dsn, "control", "--jobs", "3")
-    assert {"cancel_p50_ms", "cancel_p99_ms", "lost"} <= got.keys()
+    assert {"cancel_p50_ms", "cancel_p99_ms", "wait_p50_ms", "wait_p99_ms", "lost"} <= got.keys()
     assert got["lost"] == 0

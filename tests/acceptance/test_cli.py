@@ -11,7 +11,7 @@ from gpuq.config import ConfigError
 from gpuq.runtime import use_uvloop
 
 SUBCOMMANDS = ["migrate", "serve", "sweep", "agent", "enqueue", "status", "show", "cancel", "pause", "resume",
-               "retry", "schedule", "dev", "bench"]
+               "retry", "schedule", "wait", "dev", "bench"]
 
 
 def gpuq(*args, env=None, stdin=None, timeout=60):
@@ -198,3 +198,27 @@ def test_schedule_add_list_and_remove_from_the_shell(dsn):
     assert gpuq("schedule", "remove", "refresh", env=env).stdout.strip() == "refresh: removed"
     res = gpuq("schedule", "remove", "refresh", env=env)
     assert res.returncode == 1 and res.stdout.strip() == "refresh: no such schedule"
+
+
+def test_wait_from_the_shell(dsn):
+    import asyncio
+
+    import asyncpg
+
+    env = {"DATABASE_URL": dsn}
+    job_id = int(gpuq("enqueue", "embed", "{}", env=env).stdout)
+    res = gpuq("wait", str(job_id), "--timeout", "0.3", env=env)
+    assert res.returncode == 1 and res.stderr.strip() == f"gpuq: error: job {job_id} did not end within 0.3 s"
+
+    async def finish():
+        c = await asyncpg.connect(dsn)
+        await c.execute("UPDATE gpuq.jobs SET status = 'done', result = '{\"ok\": 1}' WHERE id = $1", job_id)
+        await c.close()
+
+    asyncio.run(finish())
+    res = gpuq("wait", str(job_id), env=env)
+    assert res.returncode == 0 and json.loads(res.stdout) == {"ok": 1}
+    other = int(gpuq("enqueue", "embed", "{}", env=env).stdout)
+    gpuq("cancel", str(other), env=env)
+    res = gpuq("wait", str(other), env=env)
+    assert res.returncode == 1 and "was cancelled" in res.stderr

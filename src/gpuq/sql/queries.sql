@@ -103,18 +103,24 @@ RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease
           j.priority, j.leased_by, j.payload::text AS payload_json, j.status, a.phase, a.slot;
 
 -- name: complete_many
--- Mark jobs done where (id, lease_token) still holds the lease; returns the ids accepted.
-UPDATE gpuq.jobs j
-SET status = 'done', result = d.result::jsonb, finished_at = now(), lease_expires_at = NULL
-FROM unnest($1::bigint[], $2::uuid[], $3::text[]) AS d(id, token, result)
-WHERE j.id = d.id AND j.status::text = 'leased' AND j.lease_token = d.token
-RETURNING j.id;
+-- Mark jobs done where (id, lease_token) still holds the lease, and tell waiters (gpuq_outcomes); returns the ids accepted.
+WITH done AS (
+    UPDATE gpuq.jobs j
+    SET status = 'done', result = d.result::jsonb, finished_at = now(), lease_expires_at = NULL
+    FROM unnest($1::bigint[], $2::uuid[], $3::text[]) AS d(id, token, result)
+    WHERE j.id = d.id AND j.status::text = 'leased' AND j.lease_token = d.token
+    RETURNING j.id
+), told AS (  -- one NOTIFY per 300 ids (its payload limit), in this transaction: sent when it commits
+    SELECT pg_notify('gpuq_outcomes', string_agg(id::text, ',')) FROM (
+        SELECT id, (row_number() OVER () - 1) / 300 AS chunk FROM done) AS c GROUP BY chunk
+)
+SELECT id FROM done WHERE (SELECT count(*) FROM told) >= 0;
 
 -- name: fail_many
--- Record fenced failures: retryable with attempts left -> scheduled after a capped, jittered backoff; else dead.
+-- Record fenced failures: retryable with attempts left -> scheduled after a capped, jittered backoff; else dead (and waiters are told).
 WITH f AS (
     SELECT * FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::bool[]) AS f(id, token, error, retryable)
-)
+), failed AS (
 UPDATE gpuq.jobs j
 SET status = CASE WHEN f.retryable AND j.attempts < j.max_attempts
                   THEN 'scheduled'::gpuq.job_status ELSE 'dead' END,
@@ -126,7 +132,12 @@ SET status = CASE WHEN f.retryable AND j.attempts < j.max_attempts
     last_error = f.error, lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
 FROM f
 WHERE j.id = f.id AND j.status::text = 'leased' AND j.lease_token = f.token
-RETURNING j.id, j.status, j.run_at;
+RETURNING j.id, j.status, j.run_at
+), told AS (
+    SELECT pg_notify('gpuq_outcomes', string_agg(id::text, ',')) FROM (
+        SELECT id, (row_number() OVER () - 1) / 300 AS chunk FROM failed WHERE status = 'dead') AS c GROUP BY chunk
+)
+SELECT id, status, run_at FROM failed WHERE (SELECT count(*) FROM told) >= 0;
 
 -- name: heartbeat
 -- Extend the leases agent $2 holds on ids $1 by $3 seconds; returns the ids extended.
@@ -180,6 +191,14 @@ RETURNING j.id, j.kind, j.status;
 -- name: notify
 -- Wake the dispatchers for the comma-joined kinds $1 ('*': every kind).
 SELECT pg_notify('gpuq_jobs', $1);
+
+-- name: notify_outcomes
+-- Tell waiters that the comma-joined job ids $1 ended (jobs that went dead outside the completer).
+SELECT pg_notify('gpuq_outcomes', $1);
+
+-- name: job_outcome
+-- Where job $1 stands, for a waiter: its state, result (JSON text) and last error.
+SELECT status::text AS status, result::text AS result, last_error FROM gpuq.jobs WHERE id = $1;
 
 -- name: arm_wakeups
 -- Declare a dispatcher waiting for $1 ms: the clock, the mark before and after, and the transactions to see end first.
