@@ -199,17 +199,18 @@ async def next_of(ws: ClientConnection, kind: str, timeout: float = 5) -> dict[s
                 return dict(msg)
 
 
-def fetch(url: str, timeout: float = 5) -> tuple[int, str | None, str]:
-    """(status, content type, body) of a GET, HTTP errors included."""
+def fetch(url: str, timeout: float = 5, token: str | None = None) -> tuple[int, str | None, str]:
+    """(status, content type, body) of a GET (with a bearer ``token``), HTTP errors included."""
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - a server on 127.0.0.1
+        with urllib.request.urlopen(request, timeout=timeout) as resp:  # noqa: S310 - a server on 127.0.0.1
             return resp.status, resp.headers.get("Content-Type"), resp.read().decode()
     except urllib.error.HTTPError as err:
         return err.code, err.headers.get("Content-Type"), err.read().decode()
 
 
-async def http_get(url: str) -> tuple[int, str | None, str]:
-    return await anyio.to_thread.run_sync(fetch, url)
+async def http_get(url: str, token: str | None = None) -> tuple[int, str | None, str]:
+    return await anyio.to_thread.run_sync(lambda: fetch(url, token=token))
 
 
 def http_json(port: int, path: str) -> dict[str, Any]:

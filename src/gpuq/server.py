@@ -38,6 +38,7 @@ log = logs.get("server")
 HELLO_TIMEOUT_SECONDS = server_side.HELLO_TIMEOUT_SECONDS
 MAX_ERRORS_PER_CONNECTION = server_side.MAX_ERRORS_PER_CONNECTION
 AGENT_PATH = "/agent"
+JOBS_PATH = "/jobs/"
 
 
 class AgentServer:
@@ -65,6 +66,8 @@ class AgentServer:
                 return _response(HTTPStatus.TOO_MANY_REQUESTS, b"too many connections from this address\n",
                                  "text/plain")
             return None  # go on with the websocket handshake
+        if path.startswith(JOBS_PATH):
+            return await self._job(path[len(JOBS_PATH):], request.headers.get("Authorization", ""))
         if path == "/healthz":
             ok, detail = await self.health()
             return _response(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE,
@@ -84,8 +87,25 @@ class AgentServer:
             except db.RETRYABLE_ERRORS:
                 pass  # the rest of the metrics are still worth serving
             return _response(HTTPStatus.OK, generate_latest(metrics.REGISTRY), CONTENT_TYPE_LATEST)
-        return _response(HTTPStatus.NOT_FOUND, b"not found: try /agent, /healthz, /status, /metrics\n",
+        return _response(HTTPStatus.NOT_FOUND, b"not found: try /agent, /healthz, /status, /metrics, /jobs/ID\n",
                          "text/plain")
+
+    async def _job(self, tail: str, authorization: str) -> Response:
+        """GET /jobs/ID: the whole job as JSON. Payloads and results are the users' data: the same
+        bearer tokens as agents."""
+        if not self._authorized(authorization):
+            return _response(HTTPStatus.UNAUTHORIZED, b"missing or invalid bearer token\n", "text/plain",
+                             [("WWW-Authenticate", 'Bearer realm="gpuq"')])
+        if not tail.isdigit() or not 0 < int(tail) < 2**63:
+            return _response(HTTPStatus.BAD_REQUEST, b"expected /jobs/<job id>\n", "text/plain")
+        try:
+            job = await queue.show(self.d.pool, int(tail))
+        except db.RETRYABLE_ERRORS as exc:
+            return _response(HTTPStatus.SERVICE_UNAVAILABLE,
+                             json.dumps({"error": f"database unavailable: {exc}"}).encode(), "application/json")
+        if job is None:
+            return _response(HTTPStatus.NOT_FOUND, f"no job {tail}\n".encode(), "text/plain")
+        return _response(HTTPStatus.OK, json.dumps(job, default=str).encode(), "application/json")
 
     def _authorized(self, header: str) -> bool:
         scheme, _, token = header.partition(" ")

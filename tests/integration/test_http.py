@@ -78,3 +78,18 @@ async def test_healthz_turns_503_while_the_listen_connection_is_down(dsn, pool, 
 async def test_unknown_paths_are_404(dsn):
     async with running_server(dsn) as srv:
         assert (await http_get(srv.http + "/nope"))[0] == 404
+
+
+async def test_a_job_over_http_needs_a_token(dsn, pool):
+    from gpuq.harness import TOKEN
+
+    job_id = await pool.fetchval("INSERT INTO gpuq.jobs (kind, payload) VALUES ('embed', '{\"doc\": 7}') RETURNING id")
+    async with running_server(dsn) as srv:
+        code, ctype, body = await http_get(f"{srv.http}/jobs/{job_id}", token=TOKEN)
+        assert code == 200 and ctype == "application/json"
+        job = json.loads(body)
+        assert (job["id"], job["status"], job["payload"]) == (job_id, "pending", {"doc": 7})
+        assert (await http_get(f"{srv.http}/jobs/{job_id}"))[0] == 401
+        assert (await http_get(f"{srv.http}/jobs/{job_id}", token="wrong"))[0] == 401
+        assert (await http_get(f"{srv.http}/jobs/abc", token=TOKEN))[0] == 400
+        assert (await http_get(f"{srv.http}/jobs/999999", token=TOKEN))[0] == 404
