@@ -17,7 +17,9 @@ functions run in a worker thread, so they never block the connection.
 Cancelled jobs (``gpuq cancel``): an async handler is cancelled (it sees
 ``asyncio.CancelledError``; a process it started with ``run_process`` gets
 SIGTERM, then SIGKILL after a grace period); a sync handler finds
-``job.cancelled`` true and should return early.
+``job.cancelled`` true and should return early. A job with a timeout
+(``job.timeout`` seconds) is stopped the same way when it passes, and fails
+with ``timeout`` (retried while attempts remain).
 Outcomes go to the server in ``results`` frames, as many as are ready at
 once; they are kept until the server acknowledges them (after its commit)
 and sent again after a reconnect; fencing makes a resent result harmless.
@@ -199,11 +201,21 @@ class Agent:
             log.info("agent.jobs_cancelled", agent=self.name, job_ids=list(ids))
 
     async def _run_job(self, job: Job, is_async: bool) -> None:
+        limit = asyncio.timeout(job.timeout)  # None: no limit
+        timer, expired = None, list[bool]()
         try:
             if is_async:
-                result = await self.handler(job)
+                async with limit:
+                    result = await self.handler(job)
             else:
+                if job.timeout is not None:  # a thread cannot be interrupted: the flag asks it to stop
+                    timer = asyncio.get_running_loop().call_later(job.timeout, _expire, job, expired)
                 result = await anyio.to_thread.run_sync(self.handler, job)
+        except TimeoutError as exc:
+            if limit.expired():
+                self.protocol.job_failed(job, "timeout", retryable=True)
+            else:  # the handler's own
+                self.protocol.job_failed(job, _summary(exc), retryable=True)
         except asyncio.CancelledError:
             if not job.cancelled:
                 raise  # the agent is stopping, not the job
@@ -213,7 +225,13 @@ class Agent:
         except Exception as exc:  # the handler's failure is the job's, not ours
             self.protocol.job_failed(job, _summary(exc), retryable=True)
         else:
-            self.protocol.job_done(job, result)
+            if expired:
+                self.protocol.job_failed(job, "timeout", retryable=True)
+            else:
+                self.protocol.job_done(job, result)
+        finally:
+            if timer is not None:
+                timer.cancel()
         self._ready.set()
 
     async def _sender(self, ws: ClientConnection) -> None:
@@ -272,6 +290,12 @@ async def _stop_process(proc: asyncio.subprocess.Process, grace_seconds: float) 
     except TimeoutError:
         proc.kill()
         await asyncio.shield(proc.wait())
+
+
+def _expire(job: Job, expired: list[bool]) -> None:
+    """A sync handler's timeout: it sees ``job.cancelled``; whatever it returns, the attempt failed."""
+    expired.append(True)
+    object.__setattr__(job, "cancelled", True)  # the one mutable flag of a pushed job (protocol.agent_side)
 
 
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:

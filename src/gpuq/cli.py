@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-attempts", type=int, default=5, help="attempts before dead (default 5)")
     e.add_argument("--delay", type=float, default=0.0, help="seconds before the job may run")
     e.add_argument("--dedup-key", help="skip if a live job has this key (prints the live job's id)")
+    e.add_argument("--timeout", type=int, default=None,
+                   help="seconds one attempt may run; then it fails with 'timeout' (default: no limit)")
     e.add_argument("--stdin", action="store_true",
                    help='bulk: one JSON object per line, {"kind": ..., "payload": ..., "priority": ...}')
     e.add_argument("--batch", type=int, default=1000, help="rows per INSERT with --stdin (default 1000)")
@@ -276,7 +278,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             maintainer = Maintainer.standard(pool, interval, retention)
             if args.once:
                 r = await maintainer.run_once()
-                print(json.dumps({k: r[k] for k in ("reclaimed", "dead", "promoted", "schedules_fired", "pruned")}))
+                print(json.dumps({k: r[k] for k in ("reclaimed", "dead", "promoted", "schedules_fired", "timed_out", "pruned")}))
                 return
             stop = anyio.Event()
             async with anyio.create_task_group() as tg:
@@ -336,7 +338,7 @@ def cmd_enqueue(args: argparse.Namespace) -> int:
     if not args.kind:
         raise CLIError("missing job kind (or use --stdin)")
     job = NewJob(args.kind, _json_arg(args.payload, "payload"), args.priority, args.max_attempts, args.delay,
-                 dedup_key=args.dedup_key)
+                 dedup_key=args.dedup_key, timeout_seconds=args.timeout)
 
     async def run() -> int:
         conn = await _connect(args)
@@ -357,12 +359,12 @@ def _enqueue_stdin(args: argparse.Namespace) -> int:
         obj = _json_arg(line, f"stdin line {lineno}")
         if not isinstance(obj, dict) or "kind" not in obj:
             raise CLIError(f"stdin line {lineno}: expected an object with a \"kind\"")
-        unknown = set(obj) - {"kind", "payload", "priority", "max_attempts", "delay", "dedup_key"}
+        unknown = set(obj) - {"kind", "payload", "priority", "max_attempts", "delay", "dedup_key", "timeout"}
         if unknown:
             raise CLIError(f"stdin line {lineno}: unknown field(s) {', '.join(sorted(unknown))}")
         try:
             return NewJob(obj["kind"], obj.get("payload"), obj.get("priority", 0), obj.get("max_attempts", 5),
-                          obj.get("delay", 0.0), dedup_key=obj.get("dedup_key"))
+                          obj.get("delay", 0.0), dedup_key=obj.get("dedup_key"), timeout_seconds=obj.get("timeout"))
         except (ValueError, TypeError) as exc:
             raise CLIError(f"stdin line {lineno}: {exc}") from None
 

@@ -34,9 +34,10 @@ async def enqueue(
     delay: float = 0.0,
     run_at: datetime | None = None,
     dedup_key: str | None = None,
+    timeout: int | None = None,
 ) -> int:
     """Enqueue one job and return its id (the live job's id if deduplicated)."""
-    job = NewJob(kind, payload, priority, max_attempts, delay, run_at, dedup_key)
+    job = NewJob(kind, payload, priority, max_attempts, delay, run_at, dedup_key, timeout)
     return (await enqueue_many(db, [job]))[0]
 
 

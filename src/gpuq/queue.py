@@ -43,6 +43,7 @@ class LeasedJob:
     # The payload as PostgreSQL's JSON text: serve splices it into the push
     # (protocol.job_message) and never decodes or re-encodes it.
     payload_json: str
+    timeout_seconds: int | None = None  # this attempt's limit: the agent stops the handler then
 
     @property
     def payload(self) -> Any:
@@ -58,6 +59,7 @@ class NewJob:
     delay_seconds: float = 0.0
     run_at: datetime | None = None
     dedup_key: str | None = None
+    timeout_seconds: int | None = None  # how long one attempt may run (None: no limit)
 
     def __post_init__(self) -> None:
         # The same rules as the table's CHECK constraints, as readable errors.
@@ -69,6 +71,8 @@ class NewJob:
             raise ValueError(f"max_attempts must be at least 1, not {self.max_attempts}")
         if self.delay_seconds < 0:
             raise ValueError(f"delay must not be negative, not {self.delay_seconds}")
+        if self.timeout_seconds is not None and self.timeout_seconds < 1:
+            raise ValueError(f"timeout must be at least 1 second, not {self.timeout_seconds}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +95,7 @@ def _columns(jobs: Sequence[NewJob]) -> tuple[list[Any], ...]:
     return (
         [j.kind for j in jobs], [_json(j.payload) for j in jobs], [j.priority for j in jobs],
         [j.max_attempts for j in jobs], [j.run_at for j in jobs],
-        [float(j.delay_seconds) for j in jobs], [j.dedup_key for j in jobs],
+        [float(j.delay_seconds) for j in jobs], [j.dedup_key for j in jobs], [j.timeout_seconds for j in jobs],
     )
 
 
@@ -218,7 +222,7 @@ _BY_SLOT = operator.itemgetter("slot")
 
 def _leased(r: Any) -> LeasedJob:
     return LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
-                     r["leased_by"], r["payload_json"])
+                     r["leased_by"], r["payload_json"], r["timeout_seconds"])
 
 
 # --------------------------------------------------------------------------
@@ -326,6 +330,21 @@ async def release_jobs(db: DB, ids: Sequence[int]) -> Moved:
 async def reclaim_expired(db: DB, limit: int = 1000) -> Moved:
     """Sweeper: expired leases back to pending (or dead when out of attempts)."""
     return await _move_and_notify(db, "reclaim_expired", limit, "lease expired after the last attempt")
+
+
+async def expire_deadlines(db: DB, limit: int, grace_seconds: float, backoff: Backoff = Backoff()) -> Moved:
+    """Fail attempts still leased ``grace_seconds`` past their deadline (error ``timeout``, retried
+    after the backoff while attempts remain, else dead), and tell their agents to stop them."""
+    rows = await db.fetch(queries["expire_deadlines"], limit, float(grace_seconds), backoff.base_seconds,
+                          backoff.cap_seconds)
+    ids = [r["id"] for r in rows]
+    moved = Moved([r["id"] for r in rows if r["status"] != "dead"], [r["id"] for r in rows if r["status"] == "dead"],
+                  {r["kind"] for r in rows})
+    for i in range(0, len(ids), _IDS_PER_NOTIFY):
+        await db.execute(queries["notify"], CANCEL_PREFIX + ",".join(map(str, ids[i:i + _IDS_PER_NOTIFY])))
+    if moved.dead:
+        await notify_outcomes(db, moved.dead)
+    return moved
 
 
 async def promote_due(db: DB, limit: int = 1000) -> Moved:

@@ -136,7 +136,7 @@ def test_sweep_once(dsn):
     res = gpuq("sweep", "--once", env={"DATABASE_URL": dsn})
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout.strip().splitlines()[-1]) == {"reclaimed": 0, "dead": 0, "promoted": 0,
-                                                                 "schedules_fired": 0, "pruned": 0}
+                                                                 "schedules_fired": 0, "timed_out": 0, "pruned": 0}
 
 
 def test_pause_resume_and_retry_from_the_shell_name_who_did_it(dsn):

@@ -68,6 +68,7 @@ async def test_the_long_jobs_example_cancels_a_job_and_shows_it(pool):
     await run_python(example, namespace)
     assert namespace["cancelled"] == {namespace["job_id"]: "pending"}
     assert namespace["job"]["status"] == "cancelled" and namespace["result"] is None
+    assert namespace["job"]["timeout_seconds"] == 3600
 
     class Job:  # the sync handler stops at the first step once cancelled
         payload, cancelled = {"steps": 5}, True

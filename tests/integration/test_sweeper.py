@@ -67,7 +67,8 @@ async def test_no_retention_keeps_history(pool):
         await seed_history(conn, 100)
         await conn.execute("UPDATE gpuq.jobs SET finished_at = now() - interval '400 days'")
     maintainer = Maintainer.standard(pool)
-    assert [s.name for s in maintainer.services] == ["reclaim_expired", "promote_due", "fire_schedules"]
+    assert [s.name for s in maintainer.services] == ["reclaim_expired", "promote_due", "fire_schedules",
+                                                        "expire_deadlines"]
     assert (await maintainer.run_once())["pruned"] == 0
     assert await pool.fetchval("SELECT count(*) FROM gpuq.jobs") == 100
 

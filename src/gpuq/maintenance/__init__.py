@@ -9,6 +9,7 @@ River's ``internal/maintenance`` is the model.
 - ``ReclaimExpired``: expired leases back to pending (dead when out of attempts);
 - ``PromoteDue``: due ``scheduled`` rows (retries, delayed jobs) to pending;
 - ``FireSchedules``: periodic jobs whose tick has come (``gpuq schedule``);
+- ``ExpireDeadlines``: attempts past their execution timeout fail (``timeout``);
 - ``PruneHistory``: done/dead/cancelled rows older than a retention, in windows of ids.
 """
 
@@ -23,6 +24,7 @@ import anyio
 from gpuq import logs
 from gpuq.db import RETRYABLE_ERRORS
 from gpuq.loops import run_every
+from gpuq.maintenance.deadlines import ExpireDeadlines
 from gpuq.maintenance.promote import PromoteDue
 from gpuq.maintenance.prune import PruneHistory
 from gpuq.maintenance.reclaim import ReclaimExpired
@@ -43,7 +45,7 @@ class Maintainer:
                  retention_seconds: float | None = None) -> Maintainer:
         """The services ``gpuq serve`` and ``gpuq sweep`` run (retention only when one is set)."""
         services: list[Service] = [ReclaimExpired(db, interval_seconds), PromoteDue(db, interval_seconds),
-                                   FireSchedules(db, interval_seconds)]
+                                   FireSchedules(db, interval_seconds), ExpireDeadlines(db, interval_seconds)]
         if retention_seconds is not None:
             services.append(PruneHistory(db, retention_seconds, interval_seconds))
         return cls(services)

@@ -189,7 +189,8 @@ def jobs_frame(messages: list[str]) -> str:
     return '{"type":"jobs","jobs":[' + ",".join(messages) + "]}"
 
 
-def job_message(job_id: int, lease_token: str, kind: str, payload_json: str, attempt: int) -> str:
+def job_message(job_id: int, lease_token: str, kind: str, payload_json: str, attempt: int,
+                timeout: int | None = None) -> str:
     """One pushed job, as JSON, around a payload that is JSON text already (from PostgreSQL).
 
     Spliced, not encoded: the lease token is PostgreSQL's uuid text and the
@@ -197,8 +198,9 @@ def job_message(job_id: int, lease_token: str, kind: str, payload_json: str, att
     neither needs escaping. Spliced here rather than built by the lease statement
     (json_build_object): see docs/design.md, "The push".
     """
+    limit = "" if timeout is None else f',"timeout":{timeout:d}'
     return (f'{{"id":{job_id:d},"lease_token":"{lease_token}","kind":"{kind}","payload":{payload_json},'
-            f'"attempt":{attempt:d}}}')
+            f'"attempt":{attempt:d}{limit}}}')
 
 
 _RESULTS_HEAD, _RESULTS_TAIL = '{"type":"results","results":[', "]}"
@@ -251,6 +253,7 @@ class JobMessage:
     kind: str
     payload: Any
     attempt: int
+    timeout: float | None = None  # seconds this attempt may run (protocol 2); the agent stops it then
     cancelled: bool = field(default=False, compare=False)
 
 
@@ -306,7 +309,8 @@ def encode(msg: ServerMessage | ClientMessage) -> str:
     elif isinstance(msg, Jobs):
         body = {"type": "jobs", "jobs": [
             {"id": j.id, "lease_token": j.lease_token, "kind": j.kind, "payload": j.payload,
-             "attempt": j.attempt} for j in msg.jobs]}
+             "attempt": j.attempt, **({} if j.timeout is None else {"timeout": int(j.timeout)})}
+            for j in msg.jobs]}
     elif isinstance(msg, Welcome):
         body = {"type": "welcome", "agent_id": msg.agent_id, "protocol": msg.protocol,
                 "lease_seconds": msg.lease_seconds,
@@ -350,7 +354,8 @@ def parse_server(frame: str | bytes) -> ServerMessage:
                            float(obj["heartbeat_seconds"]), int(obj["max_payload"]), int(obj["protocol"]))
         if kind == "jobs":
             return Jobs(tuple(JobMessage(_job_id(j["id"]), _token(j["lease_token"]), str(j["kind"]),
-                                         j["payload"], int(j["attempt"])) for j in obj["jobs"]))
+                                         j["payload"], int(j["attempt"]), _timeout(j.get("timeout")))
+                              for j in obj["jobs"]))
         if kind == "ack":
             return Ack(tuple(_job_id(i) for i in obj["accepted"]), tuple(_job_id(i) for i in obj["rejected"]))
         if kind == "drain":
@@ -402,6 +407,14 @@ def _exact_fields(obj: dict[str, Any], fields: set[str], fatal: bool) -> None:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _timeout(value: Any) -> float | None:
+    if value is None:
+        return None
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"job timeout must be a positive integer, not {str(value)[:40]!r}")
+    return float(value)
 
 
 def _job_id(value: Any) -> int:

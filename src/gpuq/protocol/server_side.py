@@ -240,8 +240,8 @@ class ServerProtocol:
         held = self.held
         for j in jobs:
             held[j.id] = (j.lease_token, j.kind)
-        self._out.append(jobs_frame([job_message(j.id, j.lease_token, j.kind, j.payload_json, j.attempt)
-                                     for j in jobs]))
+        self._out.append(jobs_frame([job_message(j.id, j.lease_token, j.kind, j.payload_json, j.attempt,
+                                                 getattr(j, "timeout_seconds", None)) for j in jobs]))
 
     def send_ack(self, accepted: tuple[int, ...], rejected: tuple[int, ...]) -> None:
         self._out.append(encode(Ack(accepted, rejected)))

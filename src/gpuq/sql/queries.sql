@@ -15,15 +15,15 @@
 
 -- name: enqueue_plain
 -- Insert jobs from parallel arrays, in input order; returns their ids in that order.
-INSERT INTO gpuq.jobs (kind, payload, priority, max_attempts, run_at, status)
+INSERT INTO gpuq.jobs (kind, payload, priority, max_attempts, run_at, status, timeout_seconds)
 SELECT kind, payload, priority, max_attempts, run_at,
-       CASE WHEN run_at > now() THEN 'scheduled'::gpuq.job_status ELSE 'pending' END
+       CASE WHEN run_at > now() THEN 'scheduled'::gpuq.job_status ELSE 'pending' END, timeout_seconds
 FROM (
     SELECT kind, coalesce(payload::jsonb, '{}'::jsonb) AS payload, priority, max_attempts,
-           coalesce(run_at, now() + make_interval(secs => delay)) AS run_at, ord
+           coalesce(run_at, now() + make_interval(secs => delay)) AS run_at, timeout_seconds, ord
     FROM unnest($1::text[], $2::text[], $3::smallint[], $4::int[], $5::timestamptz[],
-                $6::float8[], $7::text[])
-        WITH ORDINALITY AS t(kind, payload, priority, max_attempts, run_at, delay, dedup_key, ord)
+                $6::float8[], $7::text[], $8::int[])
+        WITH ORDINALITY AS t(kind, payload, priority, max_attempts, run_at, delay, dedup_key, timeout_seconds, ord)
 ) AS input
 ORDER BY ord
 RETURNING id;
@@ -32,14 +32,15 @@ RETURNING id;
 -- Insert jobs with distinct dedup keys; a key with a live job gets that job's id (NULL if it committed after our snapshot).
 WITH input AS (
     SELECT kind, coalesce(payload::jsonb, '{}'::jsonb) AS payload, priority, max_attempts,
-           coalesce(run_at, now() + make_interval(secs => delay)) AS run_at, dedup_key, ord
+           coalesce(run_at, now() + make_interval(secs => delay)) AS run_at, dedup_key, timeout_seconds, ord
     FROM unnest($1::text[], $2::text[], $3::smallint[], $4::int[], $5::timestamptz[],
-                $6::float8[], $7::text[])
-        WITH ORDINALITY AS t(kind, payload, priority, max_attempts, run_at, delay, dedup_key, ord)
+                $6::float8[], $7::text[], $8::int[])
+        WITH ORDINALITY AS t(kind, payload, priority, max_attempts, run_at, delay, dedup_key, timeout_seconds, ord)
 ), ins AS (
-    INSERT INTO gpuq.jobs (kind, payload, priority, max_attempts, run_at, status, dedup_key)
+    INSERT INTO gpuq.jobs (kind, payload, priority, max_attempts, run_at, status, dedup_key, timeout_seconds)
     SELECT kind, payload, priority, max_attempts, run_at,
-           CASE WHEN run_at > now() THEN 'scheduled'::gpuq.job_status ELSE 'pending' END, dedup_key
+           CASE WHEN run_at > now() THEN 'scheduled'::gpuq.job_status ELSE 'pending' END, dedup_key,
+           timeout_seconds
     FROM input ORDER BY ord
     ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL AND status IN ('pending', 'leased', 'scheduled')
     DO NOTHING
@@ -95,12 +96,13 @@ SET status = CASE WHEN (a.phase = 2 AND j.attempts >= j.max_attempts) THEN 'dead
     leased_by = CASE WHEN (a.phase = 2 AND j.attempts >= j.max_attempts) THEN j.leased_by ELSE a.agent END,
     lease_expires_at = CASE WHEN (a.phase = 2 AND j.attempts >= j.max_attempts) THEN j.lease_expires_at ELSE now() + make_interval(secs => $4) END,
     started_at = CASE WHEN (a.phase = 2 AND j.attempts >= j.max_attempts) THEN j.started_at ELSE now() END,
+    deadline_at = now() + make_interval(secs => j.timeout_seconds),
     finished_at = CASE WHEN (a.phase = 2 AND j.attempts >= j.max_attempts) THEN now() END,
     last_error = CASE WHEN (a.phase = 2 AND j.attempts >= j.max_attempts) THEN 'lease expired after the last attempt' ELSE j.last_error END
 FROM assigned a
 WHERE j.ctid = a.ctid
 RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token,
-          j.priority, j.leased_by, j.payload::text AS payload_json, j.status, a.phase, a.slot;
+          j.priority, j.leased_by, j.payload::text AS payload_json, j.status, a.phase, a.slot, j.timeout_seconds;
 
 -- name: complete_many
 -- Mark jobs done where (id, lease_token) still holds the lease, and tell waiters (gpuq_outcomes); returns the ids accepted.
@@ -180,6 +182,23 @@ FROM (SELECT id FROM gpuq.jobs WHERE status = 'leased' AND lease_expires_at < no
 WHERE j.id = picked.id
 RETURNING j.id, j.kind, j.status;
 
+-- name: expire_deadlines
+-- Up to $1 attempts still leased $2 seconds past their deadline fail with 'timeout': retried after the backoff ($3 base, $4 cap) while attempts remain, else dead.
+WITH over AS (
+    SELECT id FROM gpuq.jobs WHERE status = 'leased' AND deadline_at < now() - make_interval(secs => $2)
+    ORDER BY deadline_at LIMIT $1 FOR UPDATE SKIP LOCKED
+)
+UPDATE gpuq.jobs j
+SET status = CASE WHEN j.attempts < j.max_attempts THEN 'scheduled'::gpuq.job_status ELSE 'dead' END,
+    run_at = CASE WHEN j.attempts < j.max_attempts
+                  THEN now() + make_interval(secs => least($4::float8, $3::float8 * power(2, j.attempts - 1)))
+                  ELSE j.run_at END,
+    finished_at = CASE WHEN j.attempts < j.max_attempts THEN NULL ELSE now() END,
+    last_error = 'timeout', lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
+FROM over
+WHERE j.id = over.id
+RETURNING j.id, j.kind, j.status;
+
 -- name: promote_due
 -- Up to $1 scheduled jobs whose run_at has come become pending.
 UPDATE gpuq.jobs j SET status = 'pending'
@@ -229,7 +248,7 @@ SELECT id, was FROM gpuq.cancel($1::bigint[]);
 -- Every column of job $1, payload and result as JSON text.
 SELECT id, kind, status::text AS status, priority, attempts, max_attempts, payload::text AS payload,
        result::text AS result, last_error, leased_by, lease_expires_at, run_at, created_at, started_at,
-       finished_at, dedup_key
+       finished_at, dedup_key, timeout_seconds, deadline_at
 FROM gpuq.jobs WHERE id = $1;
 
 -- name: pause_kind
