@@ -8,3 +8,10 @@ ALTER TABLE gpuq.jobs
     ADD COLUMN timeout_seconds int CHECK (timeout_seconds > 0),
     ADD COLUMN deadline_at timestamptz;
 CREATE INDEX jobs_deadline_idx ON gpuq.jobs (deadline_at) WHERE status = 'leased' AND deadline_at IS NOT NULL;
+
+-- Per-kind default timeouts (`gpuq kind-timeout KIND SECONDS`): the lease
+-- reads one row per kind it leases, not per job.
+CREATE TABLE gpuq.kind_timeouts (
+    kind            text PRIMARY KEY,
+    timeout_seconds int NOT NULL CHECK (timeout_seconds > 0)
+);

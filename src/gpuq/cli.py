@@ -1,5 +1,5 @@
 """The ``gpuq`` command: migrate, serve, sweep, agent, enqueue, status, show, wait, cancel, pause, resume,
-retry, schedule, dev, bench.
+retry, schedule, kind-timeout, dev, bench.
 
 Every failure an operator can cause (bad flag, unreachable database, missing
 migrations, bad handler path) ends in one ``gpuq: error: ...`` line and a
@@ -155,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("ids", metavar="ID", type=int, nargs="+")
     config.add_flags(c, "cancel")
     c.set_defaults(func=cmd_cancel)
+
+    kt = sub.add_parser("kind-timeout", help="the default execution timeout of a kind's jobs (those without "
+                                             "their own); no arguments: list them")
+    kt.add_argument("kind", metavar="KIND", nargs="?")
+    kt.add_argument("seconds", metavar="SECONDS|none", nargs="?", help="seconds per attempt, or none to remove")
+    config.add_flags(kt, "kind-timeout")
+    kt.set_defaults(func=cmd_kind_timeout)
 
     for name, verb in (("pause", "stop leasing"), ("resume", "lease again")):
         pr = sub.add_parser(name, help=f"{verb} every job of a kind, on every dispatcher (running jobs finish)")
@@ -519,6 +526,37 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         return 0
     print(f"{args.name}: removed" if got else f"{args.name}: no such schedule")
     return 0 if got else EXIT_FAILURE
+
+
+def cmd_kind_timeout(args: argparse.Namespace) -> int:
+    from gpuq import queue
+
+    if args.kind is not None and args.seconds is None:
+        raise CLIError("give SECONDS (or none) after the kind; no arguments lists the defaults")
+    seconds = None
+    if args.seconds not in (None, "none"):
+        try:
+            seconds = int(args.seconds)
+        except ValueError:
+            raise CLIError(f"timeout must be whole seconds or none, not {args.seconds!r}") from None
+
+    async def run() -> dict[str, int]:
+        conn = await _connect(args)
+        try:
+            if args.kind is not None:
+                await queue.set_kind_timeout(conn, args.kind, seconds)
+            return await queue.kind_timeouts(conn)
+        finally:
+            await conn.close()
+
+    defaults = anyio.run(run)
+    if args.kind is not None:
+        _admin("kind_timeout", kind=args.kind, seconds=seconds)
+        print(f"{args.kind}: default timeout {f'{seconds} s' if seconds else 'none'}")
+    else:
+        for kind, value in defaults.items():
+            print(f"{kind}  {value} s")
+    return 0
 
 
 def cmd_pause_resume(args: argparse.Namespace) -> int:

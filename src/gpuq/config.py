@@ -103,7 +103,8 @@ class Setting:
         return self.used_by or ", ".join(self.flags)
 
 
-_DB_COMMANDS = ("migrate", "serve", "sweep", "enqueue", "status", "pause", "resume", "retry", "cancel", "show", "wait", "schedule")
+_DB_COMMANDS = ("migrate", "serve", "sweep", "enqueue", "status", "pause", "resume", "retry", "cancel", "show", "wait", "schedule",
+                "kind-timeout")
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("database_url", "DATABASE_URL", None, parse_text, "PostgreSQL DSN",

@@ -471,6 +471,19 @@ async def resume(db: DB, kind: str) -> bool:
     return await db.fetchval(queries["resume_kind"], kind) is not None
 
 
+async def set_kind_timeout(db: DB, kind: str, seconds: int | None) -> None:
+    """Jobs of ``kind`` without a timeout of their own get ``seconds`` per attempt (None: no default)."""
+    if not is_kind(kind):
+        raise ValueError(f"bad job kind {kind!r}: {KIND_RULE}")
+    if seconds is not None and seconds < 1:
+        raise ValueError(f"timeout must be at least 1 second, not {seconds}")
+    await db.execute(queries["kind_timeout_set"], kind, seconds)
+
+
+async def kind_timeouts(db: DB) -> dict[str, int]:
+    return {r["kind"]: r["timeout_seconds"] for r in await db.fetch(queries["kind_timeouts"])}
+
+
 async def paused(db: DB) -> dict[str, dict[str, Any]]:
     """Paused kinds -> who paused them (``by``) and when (``since``, ISO 8601)."""
     rows = await db.fetch(queries["paused_kinds"])

@@ -11,7 +11,7 @@ from gpuq.config import ConfigError
 from gpuq.runtime import use_uvloop
 
 SUBCOMMANDS = ["migrate", "serve", "sweep", "agent", "enqueue", "status", "show", "cancel", "pause", "resume",
-               "retry", "schedule", "wait", "dev", "bench"]
+               "retry", "schedule", "wait", "kind-timeout", "dev", "bench"]
 
 
 def gpuq(*args, env=None, stdin=None, timeout=60):
@@ -222,3 +222,12 @@ def test_wait_from_the_shell(dsn):
     gpuq("cancel", str(other), env=env)
     res = gpuq("wait", str(other), env=env)
     assert res.returncode == 1 and "was cancelled" in res.stderr
+
+
+def test_kind_timeout_from_the_shell(dsn):
+    env = {"DATABASE_URL": dsn}
+    assert gpuq("kind-timeout", "render", "600", env=env).stdout.strip() == "render: default timeout 600 s"
+    assert gpuq("kind-timeout", env=env).stdout.strip() == "render  600 s"
+    assert gpuq("kind-timeout", "render", "none", env=env).stdout.strip() == "render: default timeout none"
+    res = gpuq("kind-timeout", "render", "soon", env=env)
+    assert res.returncode == 1 and "whole seconds or none" in res.stderr

@@ -92,3 +92,18 @@ async def test_the_server_fails_an_attempt_past_deadline_and_grace_while_it_is_h
     assert f"cancel:{retry},{last}" in await heard.drain()  # the agent is told to stop both
     plan = await plans.explain(live_conn, queries["expire_deadlines"], 10, 30.0, 1.0, 300.0)
     assert plans.plan_indexes(plan) == {"jobs_deadline_idx", "jobs_pkey"}  # the leased ones, then by id
+
+
+async def test_a_kind_default_applies_to_jobs_without_their_own(live_conn):
+    await queue.set_kind_timeout(live_conn, "render", 120)
+    own = await gpuq.enqueue(live_conn, "render", {}, timeout=30)
+    default = await gpuq.enqueue(live_conn, "render", {})
+    other = await gpuq.enqueue(live_conn, "train", {})
+    got = {j.id: j.timeout_seconds for j in (await queue.lease(live_conn, ["render", "train"], 3, "a#1", LEASE)).jobs}
+    assert got == {own: 30, default: 120, other: None}
+    assert (await job(live_conn, other))["deadline_at"] is None
+    assert await queue.kind_timeouts(live_conn) == {"render": 120}
+    await queue.set_kind_timeout(live_conn, "render", None)
+    assert await queue.kind_timeouts(live_conn) == {}
+    with pytest.raises(ValueError, match="at least 1 second"):
+        await queue.set_kind_timeout(live_conn, "render", 0)

@@ -55,12 +55,13 @@ ORDER BY input.ord;
 
 -- name: lease_slots
 -- Lease up to $2 jobs of kinds $1 (not paused), pending first (phase 1, each kind from its cursor: rank $5, id $6) then expired leases (phase 2); the i-th goes to slot $3[i].
-WITH leasable AS (  -- the kinds asked for that are not paused
-    SELECT u.kind, u.after_rank, u.after_id
+WITH leasable AS (  -- the kinds asked for that are not paused, with their default timeout
+    SELECT u.kind, u.after_rank, u.after_id, t.timeout_seconds AS default_timeout
     FROM unnest($1::text[], $5::int[], $6::bigint[]) AS u(kind, after_rank, after_id)
+    LEFT JOIN gpuq.kind_timeouts t ON t.kind = u.kind
     WHERE NOT EXISTS (SELECT 1 FROM gpuq.paused_kinds p WHERE p.kind = u.kind)
 ), picked AS (
-    SELECT c.ctid, row_number() OVER (ORDER BY c.priority DESC, c.id) AS rn
+    SELECT c.ctid, k.default_timeout, row_number() OVER (ORDER BY c.priority DESC, c.id) AS rn
     FROM leasable AS k
     CROSS JOIN LATERAL (
         SELECT ctid, id, priority FROM gpuq.jobs
@@ -76,17 +77,19 @@ WITH leasable AS (  -- the kinds asked for that are not paused
     ORDER BY c.priority DESC, c.id
     LIMIT $2
 ), expired AS (
-    SELECT e.ctid, (SELECT count(*) FROM picked) + row_number() OVER (ORDER BY e.lease_expires_at, e.id) AS rn
+    SELECT e.ctid, (SELECT lk.default_timeout FROM leasable lk WHERE lk.kind = e.kind) AS default_timeout,
+           (SELECT count(*) FROM picked) + row_number() OVER (ORDER BY e.lease_expires_at, e.id) AS rn
     FROM (
-        SELECT ctid, id, lease_expires_at FROM gpuq.jobs
+        SELECT ctid, id, kind, lease_expires_at FROM gpuq.jobs
         WHERE status = 'leased' AND lease_expires_at < now() AND kind = ANY(ARRAY(SELECT kind FROM leasable))
         ORDER BY lease_expires_at
         LIMIT greatest($2 - (SELECT count(*) FROM picked), 0)
         FOR UPDATE SKIP LOCKED
     ) e
 ), assigned AS (
-    SELECT p.ctid, p.phase, s.agent, s.slot
-    FROM (SELECT ctid, rn, 1 AS phase FROM picked UNION ALL SELECT ctid, rn, 2 FROM expired) p
+    SELECT p.ctid, p.phase, p.default_timeout, s.agent, s.slot
+    FROM (SELECT ctid, rn, 1 AS phase, default_timeout FROM picked
+          UNION ALL SELECT ctid, rn, 2, default_timeout FROM expired) p
     JOIN unnest($3::text[]) WITH ORDINALITY AS s(agent, slot) ON s.slot = p.rn
 )
 UPDATE gpuq.jobs j
@@ -96,13 +99,14 @@ SET status = CASE WHEN (a.phase = 2 AND j.attempts >= j.max_attempts) THEN 'dead
     leased_by = CASE WHEN (a.phase = 2 AND j.attempts >= j.max_attempts) THEN j.leased_by ELSE a.agent END,
     lease_expires_at = CASE WHEN (a.phase = 2 AND j.attempts >= j.max_attempts) THEN j.lease_expires_at ELSE now() + make_interval(secs => $4) END,
     started_at = CASE WHEN (a.phase = 2 AND j.attempts >= j.max_attempts) THEN j.started_at ELSE now() END,
-    deadline_at = now() + make_interval(secs => j.timeout_seconds),
+    deadline_at = now() + make_interval(secs => coalesce(j.timeout_seconds, a.default_timeout)),
     finished_at = CASE WHEN (a.phase = 2 AND j.attempts >= j.max_attempts) THEN now() END,
     last_error = CASE WHEN (a.phase = 2 AND j.attempts >= j.max_attempts) THEN 'lease expired after the last attempt' ELSE j.last_error END
 FROM assigned a
 WHERE j.ctid = a.ctid
 RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token,
-          j.priority, j.leased_by, j.payload::text AS payload_json, j.status, a.phase, a.slot, j.timeout_seconds;
+          j.priority, j.leased_by, j.payload::text AS payload_json, j.status, a.phase, a.slot,
+          coalesce(j.timeout_seconds, a.default_timeout) AS timeout_seconds;
 
 -- name: complete_many
 -- Mark jobs done where (id, lease_token) still holds the lease, and tell waiters (gpuq_outcomes); returns the ids accepted.
@@ -261,6 +265,16 @@ RETURNING kind;
 -- Lease kind $1 again, and wake the dispatchers for it (its jobs may be behind a cursor).
 WITH r AS (DELETE FROM gpuq.paused_kinds WHERE kind = $1 RETURNING kind)
 SELECT r.kind, pg_notify('gpuq_jobs', r.kind || '!') FROM r;
+
+-- name: kind_timeout_set
+-- The default timeout of kind $1's jobs: $2 seconds (NULL: none); jobs with their own keep theirs.
+WITH cleared AS (DELETE FROM gpuq.kind_timeouts WHERE kind = $1 AND $2::int IS NULL RETURNING kind)
+INSERT INTO gpuq.kind_timeouts (kind, timeout_seconds) SELECT $1, $2 WHERE $2::int IS NOT NULL
+ON CONFLICT (kind) DO UPDATE SET timeout_seconds = excluded.timeout_seconds;
+
+-- name: kind_timeouts
+-- Every kind's default timeout.
+SELECT kind, timeout_seconds FROM gpuq.kind_timeouts ORDER BY kind;
 
 -- name: paused_kinds
 -- Every paused kind, who paused it and since when.
