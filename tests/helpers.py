@@ -82,3 +82,31 @@ def sets(event: Any) -> Any:
         event.set()
 
     return handle
+
+
+def sync_until_cancelled(seen: list, returns: Any = None) -> Any:
+    """A sync handler that works until ``job.cancelled`` (30 s at most), noting what it saw."""
+    import time
+
+    def handle(job: Any) -> Any:
+        deadline = time.monotonic() + 30
+        while not job.cancelled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen.append(job.cancelled)
+        return returns
+
+    return handle
+
+
+def async_until_cancelled(stopped: Any) -> Any:
+    """An async handler that sleeps until it is cancelled, then sets ``stopped``."""
+    import asyncio
+
+    async def handle(job: Any) -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            stopped.set()
+            raise
+
+    return handle

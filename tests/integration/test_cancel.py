@@ -9,7 +9,7 @@ import anyio
 import gpuq
 from gpuq.agent import run_process
 from gpuq.harness import running_server
-from tests.helpers import status_of, wait_status
+from tests.helpers import async_until_cancelled, status_of, sync_until_cancelled, wait_status
 
 
 async def started(pool, job_id: int) -> None:
@@ -46,16 +46,8 @@ async def test_an_async_handler_is_cancelled_and_its_slot_serves_the_next_job(ds
 
 async def test_a_sync_handler_sees_job_cancelled(dsn, pool):
     seen = []
-
-    def handle(job):
-        deadline = time.monotonic() + 30
-        while not job.cancelled and time.monotonic() < deadline:
-            time.sleep(0.01)
-        seen.append(job.cancelled)
-        return "stopped early"
-
     async with running_server(dsn, poll_seconds=60) as srv:
-        await srv.agent(["train"], 1, handle)
+        await srv.agent(["train"], 1, sync_until_cancelled(seen, "stopped early"))
         job_id = await gpuq.enqueue(pool, "train", {})
         await started(pool, job_id)
         await gpuq.cancel(pool, job_id)
@@ -86,16 +78,8 @@ async def test_a_process_started_with_run_process_is_terminated(dsn, pool, tmp_p
 
 async def test_a_lease_lost_without_a_notification_is_cancelled_at_the_next_heartbeat(dsn, pool):
     stopped = anyio.Event()
-
-    async def handle(job):
-        try:
-            await asyncio.sleep(60)
-        except asyncio.CancelledError:
-            stopped.set()
-            raise
-
     async with running_server(dsn, poll_seconds=60, heartbeat_seconds=0.2) as srv:
-        await srv.agent(["train"], 1, handle)
+        await srv.agent(["train"], 1, async_until_cancelled(stopped))
         job_id = await gpuq.enqueue(pool, "train", {})
         await started(pool, job_id)
         # Cancelled behind gpuq's back: no notification, only the heartbeat can tell.

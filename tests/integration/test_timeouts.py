@@ -1,6 +1,5 @@
 """Execution timeouts (issue #15): the agent stops the handler; the server backs it up."""
 
-import asyncio
 import json
 import time
 from datetime import timedelta
@@ -15,7 +14,7 @@ from gpuq.maintenance.deadlines import ExpireDeadlines
 from gpuq.protocol import job_message, jobs_frame, parse_server
 from gpuq.queue import NewJob
 from gpuq.sql import queries
-from tests.helpers import job, wait_status
+from tests.helpers import async_until_cancelled, job, sync_until_cancelled, wait_status
 
 LEASE = 30.0
 TOKEN = "00000000-0000-0000-0000-000000000000"
@@ -38,16 +37,8 @@ async def test_the_lease_sets_the_deadline_and_pushes_the_timeout(live_conn):
 
 async def test_an_async_handler_past_its_timeout_is_stopped_and_the_attempt_fails(dsn, pool):
     stopped = anyio.Event()
-
-    async def handle(job):
-        try:
-            await asyncio.sleep(60)
-        except asyncio.CancelledError:
-            stopped.set()
-            raise
-
     async with running_server(dsn, poll_seconds=60) as srv:
-        await srv.agent(["train"], 1, handle)
+        await srv.agent(["train"], 1, async_until_cancelled(stopped))
         t0 = time.monotonic()
         job_id = await gpuq.enqueue(pool, "train", {}, timeout=1)
         with anyio.fail_after(10):
@@ -60,16 +51,8 @@ async def test_an_async_handler_past_its_timeout_is_stopped_and_the_attempt_fail
 
 async def test_a_sync_handler_sees_job_cancelled_at_its_timeout(dsn, pool):
     seen = []
-
-    def handle(job):
-        deadline = time.monotonic() + 30
-        while not job.cancelled and time.monotonic() < deadline:
-            time.sleep(0.01)
-        seen.append(job.cancelled)
-        return "partial"
-
     async with running_server(dsn, poll_seconds=60) as srv:
-        await srv.agent(["train"], 1, handle)
+        await srv.agent(["train"], 1, sync_until_cancelled(seen, "partial"))
         job_id = await gpuq.enqueue(pool, "train", {}, max_attempts=1, timeout=1)
         await wait_status(pool, job_id, "dead")
         assert seen == [True] and (await job(pool, job_id))["last_error"] == "timeout"
