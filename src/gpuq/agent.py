@@ -295,7 +295,7 @@ async def _stop_process(proc: asyncio.subprocess.Process, grace_seconds: float) 
 def _expire(job: Job, expired: list[bool]) -> None:
     """A sync handler's timeout: it sees ``job.cancelled``; whatever it returns, the attempt failed."""
     expired.append(True)
-    object.__setattr__(job, "cancelled", True)  # the one mutable flag of a pushed job (protocol.agent_side)
+    protocol.mark_cancelled(job)
 
 
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:

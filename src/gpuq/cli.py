@@ -13,9 +13,9 @@ import getpass
 import importlib
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
@@ -23,6 +23,7 @@ from gpuq import __version__, config, logs
 from gpuq.runtime import run_service
 from gpuq.signals import stop_on_signal
 
+T = TypeVar("T")
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
 
@@ -230,6 +231,19 @@ async def _connect(args: argparse.Namespace) -> Any:
     return await db.connect(_dsn(args), pooler=config.get("pooler", flag=args.pooler) == "transaction")
 
 
+def _on_db(args: argparse.Namespace, call: Callable[[Any], Awaitable[T]]) -> T:
+    """``call(conn)`` on a connection to the command's database, closed afterwards."""
+
+    async def run() -> T:
+        conn = await _connect(args)
+        try:
+            return await call(conn)
+        finally:
+            await conn.close()
+
+    return anyio.run(run)
+
+
 def _dsn(args: argparse.Namespace) -> str:
     dsn = config.get("database_url", flag=getattr(args, "database_url", None))
     if not dsn:
@@ -347,14 +361,7 @@ def cmd_enqueue(args: argparse.Namespace) -> int:
     job = NewJob(args.kind, _json_arg(args.payload, "payload"), args.priority, args.max_attempts, args.delay,
                  dedup_key=args.dedup_key, timeout_seconds=args.timeout)
 
-    async def run() -> int:
-        conn = await _connect(args)
-        try:
-            return (await queue.enqueue_many(conn, [job]))[0]
-        finally:
-            await conn.close()
-
-    print(anyio.run(run))
+    print(_on_db(args, lambda conn: queue.enqueue_many(conn, [job]))[0])
     return 0
 
 
@@ -375,24 +382,20 @@ def _enqueue_stdin(args: argparse.Namespace) -> int:
         except (ValueError, TypeError) as exc:
             raise CLIError(f"stdin line {lineno}: {exc}") from None
 
-    async def run() -> int:
-        conn = await _connect(args)
+    async def run(conn: Any) -> int:
         total, batch = 0, []
-        try:
-            for lineno, line in enumerate(sys.stdin, 1):
-                if line.strip():
-                    batch.append(parse(lineno, line))
-                if len(batch) >= args.batch:
-                    total += len(await queue.enqueue_many(conn, batch))
-                    batch = []
-                    print(f"enqueued {total}", file=sys.stderr)
-            if batch:
+        for lineno, line in enumerate(sys.stdin, 1):
+            if line.strip():
+                batch.append(parse(lineno, line))
+            if len(batch) >= args.batch:
                 total += len(await queue.enqueue_many(conn, batch))
-        finally:
-            await conn.close()
+                batch = []
+                print(f"enqueued {total}", file=sys.stderr)
+        if batch:
+            total += len(await queue.enqueue_many(conn, batch))
         return total
 
-    print(f"enqueued {anyio.run(run)} jobs")
+    print(f"enqueued {_on_db(args, run)} jobs")
     return 0
 
 
@@ -406,14 +409,7 @@ def _json_arg(text: str, what: str) -> Any:
 def cmd_status(args: argparse.Namespace) -> int:
     from gpuq import queue
 
-    async def run() -> dict[str, Any]:
-        conn = await _connect(args)
-        try:
-            return (await queue.status_counts(conn)).as_dict()
-        finally:
-            await conn.close()
-
-    body = anyio.run(run)
+    body = _on_db(args, queue.status_counts).as_dict()
     if args.server:
         body["server"] = _fetch_server_status(args.server)
     if args.json:
@@ -440,14 +436,7 @@ def _admin(action: str, **fields: Any) -> None:
 def cmd_show(args: argparse.Namespace) -> int:
     from gpuq import queue
 
-    async def run() -> dict[str, Any] | None:
-        conn = await _connect(args)
-        try:
-            return await queue.show(conn, args.id)
-        finally:
-            await conn.close()
-
-    found = anyio.run(run)
+    found = _on_db(args, lambda conn: queue.show(conn, args.id))
     if found is None:
         raise CLIError(f"no job {args.id}")
     print(json.dumps(found, indent=2, default=str))
@@ -457,15 +446,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_wait(args: argparse.Namespace) -> int:
     from gpuq.producer import JobError, wait
 
-    async def run() -> Any:
-        conn = await _connect(args)
-        try:
-            return await wait(conn, args.id, args.timeout)
-        finally:
-            await conn.close()
-
     try:
-        result = anyio.run(run)
+        result = _on_db(args, lambda conn: wait(conn, args.id, args.timeout))
     except JobError as exc:
         raise CLIError(str(exc)) from None
     print(json.dumps(result))
@@ -476,14 +458,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     """Cancel each id; one line per id. Exit 1 if any was not live (finished or unknown)."""
     from gpuq import queue
 
-    async def run() -> dict[int, str]:
-        conn = await _connect(args)
-        try:
-            return await queue.cancel(conn, *args.ids)
-        finally:
-            await conn.close()
-
-    cancelled = anyio.run(run)
+    cancelled = _on_db(args, lambda conn: queue.cancel(conn, *args.ids))
     _admin("cancel", ids=args.ids, cancelled=sorted(cancelled))
     for job_id in args.ids:
         was = cancelled.get(job_id)
@@ -495,24 +470,13 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     from gpuq import schedules
 
     if args.action == "add":
-        try:
-            payload = json.loads(args.payload)
-        except ValueError as exc:
-            raise CLIError(f"--payload is not JSON: {exc}") from None
-        schedule = schedules.Schedule(args.name, args.cron, args.kind, payload, args.priority, args.max_attempts)
-
-    async def run() -> Any:
-        conn = await _connect(args)
-        try:
-            if args.action == "add":
-                return await schedules.add(conn, schedule, by=getpass.getuser())
-            if args.action == "remove":
-                return await schedules.remove(conn, args.name)
-            return await schedules.listing(conn)
-        finally:
-            await conn.close()
-
-    got = anyio.run(run)
+        schedule = schedules.Schedule(args.name, args.cron, args.kind, _json_arg(args.payload, "--payload"),
+                                      args.priority, args.max_attempts)
+        got: Any = _on_db(args, lambda conn: schedules.add(conn, schedule, by=getpass.getuser()))
+    elif args.action == "remove":
+        got = _on_db(args, lambda conn: schedules.remove(conn, args.name))
+    else:
+        got = _on_db(args, schedules.listing)
     if args.action == "list":
         if args.json:
             print(json.dumps(got, indent=2, default=str))
@@ -540,16 +504,12 @@ def cmd_kind_timeout(args: argparse.Namespace) -> int:
         except ValueError:
             raise CLIError(f"timeout must be whole seconds or none, not {args.seconds!r}") from None
 
-    async def run() -> dict[str, int]:
-        conn = await _connect(args)
-        try:
-            if args.kind is not None:
-                await queue.set_kind_timeout(conn, args.kind, seconds)
-            return await queue.kind_timeouts(conn)
-        finally:
-            await conn.close()
+    async def run(conn: Any) -> dict[str, int]:
+        if args.kind is not None:
+            await queue.set_kind_timeout(conn, args.kind, seconds)
+        return await queue.kind_timeouts(conn)
 
-    defaults = anyio.run(run)
+    defaults = _on_db(args, run)
     if args.kind is not None:
         _admin("kind_timeout", kind=args.kind, seconds=seconds)
         print(f"{args.kind}: default timeout {f'{seconds} s' if seconds else 'none'}")
@@ -562,16 +522,10 @@ def cmd_kind_timeout(args: argparse.Namespace) -> int:
 def cmd_pause_resume(args: argparse.Namespace) -> int:
     from gpuq import queue
 
-    async def run() -> bool:
-        conn = await _connect(args)
-        try:
-            if args.command == "pause":
-                return await queue.pause(conn, args.kind, by=getpass.getuser())
-            return await queue.resume(conn, args.kind)
-        finally:
-            await conn.close()
-
-    changed = anyio.run(run)
+    if args.command == "pause":
+        changed = _on_db(args, lambda conn: queue.pause(conn, args.kind, by=getpass.getuser()))
+    else:
+        changed = _on_db(args, lambda conn: queue.resume(conn, args.kind))
     _admin(args.command, kind=args.kind, changed=changed)
     pausing = args.command == "pause"
     if changed:
@@ -587,14 +541,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
     which = queue.RetryFilter(ids=args.ids or None, kind=args.kind, error=args.error, since=args.since, until=args.until)
     which.args()  # no criterion at all is an error, before connecting
 
-    async def run() -> int:
-        conn = await _connect(args)
-        try:
-            return await (queue.retry_count if args.dry_run else queue.retry)(conn, which)
-        finally:
-            await conn.close()
-
-    n = anyio.run(run)
+    n = _on_db(args, lambda conn: (queue.retry_count if args.dry_run else queue.retry)(conn, which))
     if args.dry_run:
         print(f"{n} dead or cancelled job(s) would go back to pending (dry run: nothing changed)")
         return 0

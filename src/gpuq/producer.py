@@ -85,16 +85,10 @@ async def wait(db: DB | str, job_id: int, timeout: float | None = None) -> Any:
     may be a DSN (a connection is opened for the wait), a pool (one of its
     connections is held while waiting) or a connection.
     """
-    if isinstance(db, str):
-        conn = await connect(db)
-        try:
-            return await _wait_on(conn, job_id, timeout)
-        finally:
-            await conn.close()
-    if hasattr(db, "acquire"):
+    if hasattr(db, "acquire"):  # LISTEN needs one connection, not a pool
         async with db.acquire() as conn:
             return await _wait_on(conn, job_id, timeout)
-    return await _wait_on(db, job_id, timeout)
+    return await _with(db, lambda conn: _wait_on(conn, job_id, timeout))
 
 
 async def _wait_on(conn: Any, job_id: int, timeout: float | None) -> Any:

@@ -191,8 +191,9 @@ async def lease_slots(db: DB, kinds: Sequence[str], slots: Sequence[str], lease_
     commit behind a cursor: the cursors returned never pass ``settled``, an
     id up to which every job had committed or rolled back before this lease
     began (``insert_horizon``); None: no insert can be in flight. Other jobs
-    that land behind a cursor are the caller's to catch by dropping it. Phase 2, only for the slots phase 1 left, reclaims
-    expired leases (jobs_leased_idx), sending those out of attempts to dead.
+    that land behind a cursor are the caller's to catch by dropping it.
+    Phase 2, only for the slots phase 1 left, reclaims expired leases
+    (jobs_leased_idx), sending those out of attempts to dead.
     One statement.
 
     One statement serves many agents that take the same kinds: the dispatcher
@@ -337,11 +338,9 @@ async def expire_deadlines(db: DB, limit: int, grace_seconds: float, backoff: Ba
     after the backoff while attempts remain, else dead), and tell their agents to stop them."""
     rows = await db.fetch(queries["expire_deadlines"], limit, float(grace_seconds), backoff.base_seconds,
                           backoff.cap_seconds)
-    ids = [r["id"] for r in rows]
     moved = Moved([r["id"] for r in rows if r["status"] != "dead"], [r["id"] for r in rows if r["status"] == "dead"],
                   {r["kind"] for r in rows})
-    for i in range(0, len(ids), _IDS_PER_NOTIFY):
-        await db.execute(queries["notify"], CANCEL_PREFIX + ",".join(map(str, ids[i:i + _IDS_PER_NOTIFY])))
+    await _notify_ids(db, "notify", CANCEL_PREFIX, [r["id"] for r in rows])  # to the dispatchers holding them
     if moved.dead:
         await notify_outcomes(db, moved.dead)
     return moved
@@ -358,8 +357,13 @@ _IDS_PER_NOTIFY = 300  # ids of up to 19 digits stay under NOTIFY's 8000-byte pa
 
 async def notify_outcomes(db: DB, ids: Sequence[int]) -> None:
     """Tell waiters these jobs ended (the completer's statements do it themselves)."""
+    await _notify_ids(db, "notify_outcomes", "", ids)
+
+
+async def _notify_ids(db: DB, name: str, prefix: str, ids: Sequence[int]) -> None:
+    """Statement ``name`` with ``prefix`` + comma-joined ``ids``, as many times as the payload limit needs."""
     for i in range(0, len(ids), _IDS_PER_NOTIFY):
-        await db.execute(queries["notify_outcomes"], ",".join(map(str, ids[i:i + _IDS_PER_NOTIFY])))
+        await db.execute(queries[name], prefix + ",".join(map(str, ids[i:i + _IDS_PER_NOTIFY])))
 
 
 async def notify(db: DB, kinds: Iterable[str], behind: bool = False) -> None:

@@ -39,6 +39,7 @@ from gpuq.protocol.messages import (
     contains_nul,
     encode,
     encode_done,
+    mark_cancelled,
     pack_results,
     parse_client,
     parse_server,
@@ -103,7 +104,7 @@ class AgentProtocol:
         elif isinstance(msg, Cancel):
             running = [self.running[i] for i in msg.ids if i in self.running]
             for job in running:
-                object.__setattr__(job, "cancelled", True)  # the one mutable flag of a pushed job
+                mark_cancelled(job)
             return Cancel(tuple(job.id for job in running))
         return msg
 

@@ -34,7 +34,8 @@ from gpuq.protocol.codes import (
 
 __all__ = ["AGENT_NAME", "RESULTS_OVERHEAD", "Ack", "Cancel", "ClientMessage", "Done", "Drain", "Error", "Failed", "Heartbeat",
            "Hello", "JobMessage", "Jobs", "Results", "ServerDrain", "ServerMessage", "Welcome", "contains_nul",
-           "encode", "encode_done", "job_message", "jobs_frame", "pack_results", "parse_client", "parse_server"]
+           "encode", "encode_done", "job_message", "jobs_frame", "mark_cancelled", "pack_results", "parse_client",
+           "parse_server"]
 
 AGENT_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
 BAD_MESSAGE = ErrorCode.BAD_MESSAGE
@@ -255,6 +256,11 @@ class JobMessage:
     attempt: int
     timeout: float | None = None  # seconds this attempt may run (protocol 2); the agent stops it then
     cancelled: bool = field(default=False, compare=False)
+
+
+def mark_cancelled(job: JobMessage) -> None:
+    """Set ``job.cancelled``: the one field of a pushed job that changes (server cancel, or its timeout)."""
+    object.__setattr__(job, "cancelled", True)
 
 
 @dataclass(frozen=True, slots=True)
