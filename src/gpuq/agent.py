@@ -20,6 +20,11 @@ SIGTERM, then SIGKILL after a grace period); a sync handler finds
 ``job.cancelled`` true and should return early. A job with a timeout
 (``job.timeout`` seconds) is stopped the same way when it passes, and fails
 with ``timeout`` (retried while attempts remain).
+
+Progress: ``job.progress(0.4, "epoch 2/5", {"loss": 0.31})`` from any handler,
+sync or async, as often as it likes; the agent sends the latest of each job at
+most twice a second and the server stores it at most once a second
+(``gpuq show``, ``/jobs/ID``, ``gpuq.wait(..., on_progress=...)``).
 Outcomes go to the server in ``results`` frames, as many as are ready at
 once; they are kept until the server acknowledges them (after its commit)
 and sent again after a reconnect; fencing makes a resent result harmless.
@@ -47,6 +52,8 @@ from gpuq.protocol.agent_side import AgentProtocol
 from gpuq.signals import stop_on_signal
 
 log = logs.get("agent")
+
+PROGRESS_SEND_SECONDS = 0.5  # progress updates go out at most this often (the latest of each job)
 
 
 class PermanentError(Exception):
@@ -94,6 +101,8 @@ class Agent:
         self._ready = asyncio.Event()  # the protocol has frames to send
         self._stop_event = asyncio.Event()
         self._tasks: dict[int, asyncio.Task[None]] = {}  # job id -> its async handler's task
+        self._progress_due = asyncio.Event()  # a handler reported progress since the last send
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def completed(self) -> int:
@@ -149,6 +158,7 @@ class Agent:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._sender, ws)
                     tg.start_soon(self._heartbeats, welcome.heartbeat_seconds)
+                    tg.start_soon(self._progress_sender)
                     await self._reader(ws, tg)
                     tg.cancel_scope.cancel()
             except BaseExceptionGroup as group:
@@ -183,6 +193,9 @@ class Agent:
         ``cancel`` can stop one handler.
         """
         is_async = inspect.iscoroutinefunction(self.handler)
+        self._loop = asyncio.get_running_loop()
+        for job in jobs:
+            protocol.attach_reporter(job, self._report_progress)
         tasks = [asyncio.ensure_future(self._run_job(job, is_async)) for job in jobs]
         if is_async:
             self._tasks.update(zip((job.id for job in jobs), tasks, strict=True))
@@ -250,6 +263,23 @@ class Agent:
     async def _send(self, ws: ClientConnection) -> None:
         for frame in self.protocol.frames_to_send():
             await ws.send(frame)
+
+    def _report_progress(self, job_id: int, item: str) -> None:
+        """``job.progress()``, from the loop or a handler's thread: keep it; wake the sender once."""
+        if self.protocol.progress(job_id, item) and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._progress_due.set)
+            except RuntimeError:  # the loop has closed: the agent is gone, and so is the job
+                pass
+
+    async def _progress_sender(self) -> None:
+        """Send the latest progress of each job, at most every ``PROGRESS_SEND_SECONDS``."""
+        while True:
+            await self._progress_due.wait()
+            self._progress_due.clear()
+            self.protocol.send_progress()
+            self._ready.set()
+            await anyio.sleep(PROGRESS_SEND_SECONDS)
 
     async def _heartbeats(self, every: float) -> None:
         while True:

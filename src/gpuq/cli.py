@@ -149,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "cancelled or the timeout passed")
     wt.add_argument("id", metavar="ID", type=int)
     wt.add_argument("--timeout", type=float, default=None, help="seconds (default: no limit)")
+    wt.add_argument("--progress", action="store_true",
+                    help="print the job's progress as it is stored, one JSON line each on stderr")
     config.add_flags(wt, "wait")
     wt.set_defaults(func=cmd_wait)
 
@@ -446,8 +448,12 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_wait(args: argparse.Namespace) -> int:
     from gpuq.producer import JobError, wait
 
+    def show_progress(progress: dict[str, Any]) -> None:
+        print(json.dumps(progress), file=sys.stderr, flush=True)
+
+    on_progress = show_progress if args.progress else None
     try:
-        result = _on_db(args, lambda conn: wait(conn, args.id, args.timeout))
+        result = _on_db(args, lambda conn: wait(conn, args.id, args.timeout, on_progress=on_progress))
     except JobError as exc:
         raise CLIError(str(exc)) from None
     print(json.dumps(result))
@@ -580,6 +586,8 @@ def render_status(body: dict[str, Any]) -> str:
         lines.append(f"agents connected: {body['server'].get('agents_connected', 0)}")
         for a in body["server"].get("agents", []):
             lines.append(f"  {a['agent']}  kinds={','.join(a['kinds'])}  inflight={a['inflight']}/{a['capacity']}")
+            for job_id, p in sorted(a.get("progress", {}).items(), key=lambda item: int(item[0])):
+                lines.append(f"    job {job_id}: {p['fraction']:.0%}" + (f" {p['message']}" if p["message"] else ""))
     return "\n".join(lines)
 
 

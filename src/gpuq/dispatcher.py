@@ -20,6 +20,8 @@ Three loops run in one task group:
   impossible.
 - ``Completer`` (completer.py): results are batched into one ``complete_many``
   (and one ``fail_many``) per flush and acknowledged to agents only after commit.
+- ``ProgressWriter`` (progress.py): running jobs' progress, at most one write
+  per job per second, many jobs per statement.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from gpuq import db, logs, metrics, queue
 from gpuq.completer import Completer
 from gpuq.config import ServerConfig
 from gpuq.loops import RetryBackoff, run_every
-from gpuq.protocol import Done, Failed
+from gpuq.progress import ProgressWriter
+from gpuq.protocol import Done, Failed, ProgressUpdate
 from gpuq.protocol.server_side import ServerProtocol
 from gpuq.queue import Backoff
 from gpuq.sql import queries
@@ -110,6 +113,7 @@ class Dispatcher:
         self.config = config
         self.sessions: dict[str, AgentSession] = {}
         self.completer = Completer(pool, backoff or Backoff())
+        self.progress = ProgressWriter(pool)
         self.listening = False
         self.stopping = False
         self._wake = anyio.Event()
@@ -169,6 +173,7 @@ class Dispatcher:
                 log.warning("agent.release_failed", agent=session.id, error=str(exc))
         log.info("agent.disconnected", agent=session.id, released=len(released),
                  inflight=len(session.inflight))
+        self.progress.forget(session.inflight)
         session.inflight.clear()
 
     def submit(self, session: AgentSession, outcomes: Iterable[tuple[Done | Failed, str]], freed: int) -> None:
@@ -179,8 +184,14 @@ class Dispatcher:
         database, where the lease token decides, and is acked either way.
         """
         self.completer.submit(session, outcomes)
+        if self.progress.latest:
+            self.progress.forget(msg.id for msg, _ in outcomes)
         if freed:
             self._credit_freed(session)
+
+    def report_progress(self, updates: Iterable[ProgressUpdate]) -> None:
+        """Progress of jobs the reporting connection holds: written within ``progress.WRITE_SECONDS``."""
+        self.progress.submit(updates)
 
     def set_draining(self, session: AgentSession) -> None:
         log.info("agent.draining", agent=session.id, inflight=len(session.inflight))
@@ -238,6 +249,7 @@ class Dispatcher:
                 tg.start_soon(self._listen_loop)
             tg.start_soon(self._lease_loop)
             tg.start_soon(self.completer.run)
+            tg.start_soon(self.progress.run)
 
     async def _listen_loop(self) -> None:
         await run_every(0.1, self._listen_once, backoff=RetryBackoff(first=0.1), errors=db.RETRYABLE_ERRORS,

@@ -36,3 +36,5 @@ WAKEUP_ARMS = Counter("gpuq_wakeup_arms", "Times the dispatcher asked producers 
                       "after the mark had lapsed, so it saw the stragglers end and leased once more",
                       ["lapsed"], registry=REGISTRY)
 PROTOCOL_ERRORS = Counter("gpuq_protocol_errors", "Agent messages refused", ["code"], registry=REGISTRY)
+PROGRESS_WRITTEN = Counter("gpuq_progress_written", "Progress updates stored (at most one per job per second)",
+                           registry=REGISTRY)

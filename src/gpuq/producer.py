@@ -11,6 +11,7 @@ opened and closed for the call: fine for scripts, wasteful in a loop).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
@@ -76,7 +77,8 @@ class WaitTimeout(JobError, TimeoutError):
     """The job did not end within the timeout (it goes on)."""
 
 
-async def wait(db: DB | str, job_id: int, timeout: float | None = None) -> Any:
+async def wait(db: DB | str, job_id: int, timeout: float | None = None,
+               on_progress: Callable[[dict[str, Any]], Any] | None = None) -> Any:
     """The result of job ``job_id`` once it is done; ``JobDead``, ``JobCancelled`` or ``WaitTimeout``.
 
     Woken by the notification that the statement ending a job sends when it
@@ -84,40 +86,54 @@ async def wait(db: DB | str, job_id: int, timeout: float | None = None) -> Any:
     first reads the job, so no ending can fall between. No polling. ``db``
     may be a DSN (a connection is opened for the wait), a pool (one of its
     connections is held while waiting) or a connection.
+
+    ``on_progress(progress)`` (sync or async) streams the job's progress: it is
+    called with the stored ``{fraction, message, data, attempt, at}`` when the
+    wait starts, if there is any, and each time the server writes a new one
+    (at most once a second; woken by ``gpuq_progress``).
     """
     if hasattr(db, "acquire"):  # LISTEN needs one connection, not a pool
         async with db.acquire() as conn:
-            return await _wait_on(conn, job_id, timeout)
-    return await _with(db, lambda conn: _wait_on(conn, job_id, timeout))
+            return await _wait_on(conn, job_id, timeout, on_progress)
+    return await _with(db, lambda conn: _wait_on(conn, job_id, timeout, on_progress))
 
 
-async def _wait_on(conn: Any, job_id: int, timeout: float | None) -> Any:
-    ended = asyncio.Event()
+async def _wait_on(conn: Any, job_id: int, timeout: float | None,
+                   on_progress: Callable[[dict[str, Any]], Any] | None) -> Any:
+    changed = asyncio.Event()
     key = str(job_id)
 
-    def on_outcomes(_c: Any, _pid: int, _channel: str, payload: str) -> None:
+    def on_notify(_c: Any, _pid: int, _channel: str, payload: str) -> None:
         if key in payload.split(","):
-            ended.set()
+            changed.set()
 
-    await conn.add_listener(queue.OUTCOMES_CHANNEL, on_outcomes)
+    channels = [queue.OUTCOMES_CHANNEL] + ([queue.PROGRESS_CHANNEL] if on_progress else [])
+    for channel in channels:
+        await conn.add_listener(channel, on_notify)
     try:
         async with asyncio.timeout(timeout):
+            shown = None  # the progress last passed to on_progress, as JSON text
             while True:
-                ended.clear()
+                changed.clear()
                 row = await conn.fetchrow(queries["job_outcome"], job_id)
                 if row is None:
                     raise JobError(job_id, f"no job {job_id}")
+                if on_progress and row["progress"] is not None and row["progress"] != shown:
+                    shown = row["progress"]
+                    if inspect.isawaitable(called := on_progress(json.loads(shown))):
+                        await called
                 if row["status"] == "done":
                     return None if row["result"] is None else json.loads(row["result"])
                 if row["status"] == "dead":
                     raise JobDead(job_id, f"job {job_id} is dead: {row['last_error']}", await queue.show(conn, job_id))
                 if row["status"] == "cancelled":
                     raise JobCancelled(job_id, f"job {job_id} was cancelled", await queue.show(conn, job_id))
-                await ended.wait()
+                await changed.wait()
     except TimeoutError:
         raise WaitTimeout(job_id, f"job {job_id} did not end within {timeout} s") from None
     finally:
-        await conn.remove_listener(queue.OUTCOMES_CHANNEL, on_outcomes)
+        for channel in channels:
+            await conn.remove_listener(channel, on_notify)
 
 
 async def _with(db: DB | str, call: Callable[[DB], Awaitable[T]]) -> T:

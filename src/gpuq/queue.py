@@ -251,6 +251,22 @@ async def complete(db: DB, job_id: int, token: str, result: Any = None) -> bool:
     return job_id in await complete_many(db, [(job_id, token, result)])
 
 
+async def record_progress(db: DB, updates: Iterable[Any]) -> set[int]:
+    """Store progress updates (``ProgressUpdate``: id, lease_token, fraction, message, data) of
+    jobs still leased with that token, and notify ``gpuq_progress``; returns the ids written."""
+    ids, tokens, fractions, messages, data = [], [], [], [], []
+    for u in updates:
+        ids.append(u.id)
+        tokens.append(u.lease_token)
+        fractions.append(u.fraction)
+        messages.append(u.message)
+        data.append(_json(u.data))
+    if not ids:
+        return set()
+    rows = await db.fetch(queries["record_progress"], ids, tokens, fractions, messages, data)
+    return {r["id"] for r in rows}
+
+
 @dataclass(frozen=True, slots=True)
 class FailOutcome:
     id: int
@@ -352,6 +368,7 @@ async def promote_due(db: DB, limit: int = 1000) -> Moved:
 
 
 OUTCOMES_CHANNEL = "gpuq_outcomes"  # job ids that ended (done, dead, cancelled): what gpuq.wait listens to
+PROGRESS_CHANNEL = "gpuq_progress"  # job ids whose progress was written: what gpuq.wait(on_progress=) listens to
 _IDS_PER_NOTIFY = 300  # ids of up to 19 digits stay under NOTIFY's 8000-byte payload
 
 
@@ -517,7 +534,7 @@ async def show(db: DB, job_id: int) -> dict[str, Any] | None:
     if row is None:
         return None
     out = dict(row)
-    for key in ("payload", "result"):
+    for key in ("payload", "result", "progress"):
         out[key] = None if out[key] is None else json.loads(out[key])
     return out
 

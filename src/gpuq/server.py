@@ -134,7 +134,9 @@ class AgentServer:
         body = counts.as_dict()
         body["agents"] = [
             {"agent": s.id, "kinds": sorted(s.kinds), "capacity": s.capacity, "inflight": len(s.inflight),
-             "draining": s.draining} for s in self.d.sessions.values()
+             "draining": s.draining, "protocol": s.protocol.version,
+             "progress": {str(i): p for i, p in self.d.progress.of(s.inflight).items()}}
+            for s in self.d.sessions.values()
         ]
         body["agents_connected"] = len(self.d.sessions)
         return body
@@ -214,6 +216,8 @@ class AgentServer:
                 log.warning("heartbeat.failed", agent=session.id, error=str(exc))
         elif isinstance(event, server_side.DrainRequested):
             self.d.set_draining(session)
+        elif isinstance(event, server_side.ProgressReceived):
+            self.d.report_progress(event.updates)
         else:
             self._refused([event])
 

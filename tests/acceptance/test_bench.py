@@ -109,6 +109,7 @@ def test_producers_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_control_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
-    got = run_bench(capsys, server_dsn, "control", "--jobs", "3")
-    assert {"cancel_p50_ms", "cancel_p99_ms", "wait_p50_ms", "wait_p99_ms", "lost"} <= got.keys()
+    got = run_bench(capsys, server_dsn, "control", "--jobs", "3", "--progress-jobs", "200", "--rounds", "1")
+    assert {"cancel_p50_ms", "cancel_p99_ms", "wait_p50_ms", "wait_p99_ms", "lost", "progress_throughput_ratio",
+            "plain_jobs_per_s", "progress_jobs_per_s", "progress_rows"} <= got.keys()
     assert got["lost"] == 0

@@ -231,3 +231,29 @@ def test_kind_timeout_from_the_shell(dsn):
     assert gpuq("kind-timeout", "render", "none", env=env).stdout.strip() == "render: default timeout none"
     res = gpuq("kind-timeout", "render", "soon", env=env)
     assert res.returncode == 1 and "whole seconds or none" in res.stderr
+
+
+def test_wait_progress_prints_the_stored_progress_on_stderr(dsn):
+    import asyncio
+
+    import asyncpg
+
+    from gpuq import queue
+    from gpuq.protocol import ProgressUpdate
+
+    env = {"DATABASE_URL": dsn}
+    job_id = int(gpuq("enqueue", "embed", "{}", env=env).stdout)
+
+    async def report():
+        c = await asyncpg.connect(dsn)
+        [leased] = (await queue.lease(c, ["embed"], 1, "a#1", 30)).jobs
+        await queue.record_progress(c, [ProgressUpdate(job_id, leased.lease_token, 0.5, "half", {"s": 1})])
+        await c.close()
+
+    asyncio.run(report())
+    res = gpuq("wait", str(job_id), "--progress", "--timeout", "0.5", env=env)
+    progress_line, error = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and error == f"gpuq: error: job {job_id} did not end within 0.5 s"
+    shown = json.loads(progress_line)
+    assert (shown["fraction"], shown["message"], shown["data"], shown["attempt"]) == (0.5, "half", {"s": 1}, 1)
+    assert json.loads(gpuq("show", str(job_id), env=env).stdout)["progress"]["message"] == "half"

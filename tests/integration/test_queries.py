@@ -15,7 +15,8 @@ NAMES = {
     "migrations_lock", "migrations_unlock", "migrations_bootstrap", "migrations_tracked",
     "migrations_applied", "migration_record", "arm_wakeups", "stragglers_left", "set_floors",
     "clear_floors", "insert_horizon", "pause_kind", "resume_kind", "paused_kinds", "retry_count", "retry",
-    "show", "kind_timeout_set", "kind_timeouts", "expire_deadlines", "notify_outcomes", "job_outcome", "schedule_add", "schedule_remove", "schedule_list", "schedules_due", "schedules_fire",
+    "show", "kind_timeout_set", "kind_timeouts", "expire_deadlines", "notify_outcomes", "job_outcome",
+    "schedule_add", "schedule_remove", "schedule_list", "schedules_due", "schedules_fire", "record_progress",
 }
 MULTI_STATEMENT = {"migrations_bootstrap", "plan_guards"}  # run as a simple query, never prepared
 

@@ -70,7 +70,14 @@ async def test_the_long_jobs_example_cancels_a_job_and_shows_it(pool):
     assert namespace["job"]["status"] == "cancelled" and namespace["result"] is None
     assert namespace["job"]["timeout_seconds"] == 3600
 
-    class Job:  # the sync handler stops at the first step once cancelled
-        payload, cancelled = {"steps": 5}, True
+    class Job:  # the sync handler reports each step, and stops at the first step once cancelled
+        payload, cancelled, reported = {"steps": 2}, False, []
 
-    assert namespace["train"](Job()) == {"stopped_at": 0}
+        def progress(self, *args):
+            self.reported.append(args)
+
+    job = Job()
+    assert namespace["train"](job) is None
+    assert job.reported == [(0.0, "step 0/2", {"loss": 1.0}), (0.5, "step 1/2", {"loss": 0.5})]
+    job.cancelled = True
+    assert namespace["train"](job) == {"stopped_at": 0}

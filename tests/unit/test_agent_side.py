@@ -138,3 +138,65 @@ def test_a_cancel_marks_the_running_jobs_it_names():
     assert running[2].cancelled and not running[1].cancelled
     p.job_failed(running[2], "cancelled", retryable=False)  # reported like any outcome; the server fences it
     assert 2 not in p.running and 2 in p.unacked
+
+
+def progress_sent(p: AgentProtocol) -> list[dict]:
+    return [u for f in p.frames_to_send() for u in json.loads(f).get("updates", [])]
+
+
+def test_progress_keeps_the_latest_per_job_until_sent_and_asks_once():
+    p = connected()
+    p.receive(jobs_frame(1, 2))
+    one, two = p.running[1], p.running[2]
+    asks = []
+    for j in (one, two):
+        from gpuq.protocol import attach_reporter
+
+        attach_reporter(j, lambda job_id, item: asks.append(p.progress(job_id, item)))
+    one.progress(0.1)
+    one.progress(0.2, "epoch 2", {"loss": 0.5})
+    two.progress(1)
+    assert asks == [True, False, False]  # one send asked for, however many updates
+    assert progress_sent(p) == []  # nothing goes out before send_progress
+    p.send_progress()
+    assert progress_sent(p) == [
+        {"id": 1, "lease_token": TOKEN, "fraction": 0.2, "message": "epoch 2", "data": {"loss": 0.5}},
+        {"id": 2, "lease_token": TOKEN, "fraction": 1.0, "message": None, "data": None}]
+    one.progress(0.3)
+    assert asks[-1] is True  # the next update after a send asks again
+    p.job_done(one, "ok")  # the outcome drops the unsent update
+    p.send_progress()
+    assert progress_sent(p) == []
+    one.progress(0.4)  # not running any more: kept nowhere
+    p.send_progress()
+    assert progress_sent(p) == []
+
+
+def test_progress_frames_parse_on_the_server_and_bad_values_fail_in_the_handler():
+    from gpuq.protocol import Progress, ProgressUpdate, attach_reporter
+
+    p = connected()
+    p.receive(jobs_frame(1))
+    job_ = p.running[1]
+    attach_reporter(job_, p.progress)
+    job_.progress(0.5, "half")
+    p.send_progress()
+    [frame] = p.frames_to_send()
+    assert parse_client(frame, 4096) == Progress((ProgressUpdate(1, TOKEN, 0.5, "half", None),))
+    for bad in (2, float("nan"), -1):
+        with pytest.raises(ValueError, match="from 0 to 1"):
+            job_.progress(bad)
+    with pytest.raises(ValueError, match="not JSON-serializable"):
+        job_.progress(0.5, data=object())
+
+
+def test_progress_is_not_kept_across_a_reconnect():
+    p = connected()
+    p.receive(jobs_frame(1))
+    assert p.progress(1, '{"id":1}')
+    p.connection_lost()
+    p.send_progress()  # the server released the job with the connection: nobody to tell
+    p.connection_made()
+    assert [json.loads(f)["type"] for f in p.frames_to_send()] == ["hello"]
+    p.receive(WELCOME)
+    assert p.frames_to_send() == []

@@ -198,8 +198,63 @@ def test_a_version_1_agent_gets_no_cancel_message_and_keeps_working():
     assert p.cancel([7]) == [] and sent(p) == []
 
 
-@pytest.mark.parametrize("version", [0, 3, True, "2"])
+@pytest.mark.parametrize("version", [0, 4, True, "2"])
 def test_an_unknown_protocol_version_is_refused_with_4003(version):
     p = ServerProtocol(max_payload=4096, max_messages_per_second=1000, now=0.0)
     p.receive(HELLO.replace('"protocol": 1', f'"protocol": {json.dumps(version)}'), 0.0)
     assert p.close_to_send()[0] == CloseCode.UNSUPPORTED_VERSION
+
+
+def progress_frame(*updates: dict) -> str:
+    return json.dumps({"type": "progress", "updates": [
+        {"id": 7, "lease_token": TOKEN, "fraction": 0.5, "message": None, "data": None, **u} for u in updates]})
+
+
+def test_progress_counts_only_for_held_jobs_with_their_token():
+    from gpuq.protocol import ProgressUpdate
+    from gpuq.protocol.server_side import ProgressReceived
+
+    p = opened(version=3)
+    p.send_jobs([Leased(7), Leased(8)])
+    p.frames_to_send()
+    other = "11111111-1111-1111-1111-111111111111"
+    events = p.receive(progress_frame({"fraction": 1, "message": "m", "data": {"loss": 0.5}},
+                                      {"id": 8, "lease_token": other}, {"id": 99}), 0.0)
+    assert events == [ProgressReceived((ProgressUpdate(7, TOKEN, 1.0, "m", {"loss": 0.5}),))]
+    assert p.receive(progress_frame({"id": 99}), 0.0) == []  # not held: dropped, no error
+    assert sent(p) == [] and p.errors == 0
+
+
+@pytest.mark.parametrize("update, needle", [
+    ({"fraction": 1.5}, "fraction must be a number from 0 to 1"),
+    ({"fraction": -0.1}, "fraction"),
+    ({"fraction": True}, "fraction"),
+    ({"fraction": "0.5"}, "fraction"),
+    ({"message": 5}, "message must be a string"),
+    ({"data": "x" * 9000}, "over the limit of 8192"),
+    ({"data": {"k": "\u0000"}}, "U+0000"),
+    ({"extra": 1}, "exactly data, fraction, id, lease_token, message"),
+])
+def test_a_bad_progress_update_is_refused_and_the_connection_goes_on(update, needle):
+    p = opened(version=3, max_payload=65536)
+    p.send_jobs([Leased(7)])
+    p.frames_to_send()
+    [refused] = p.receive(progress_frame(update), 0.0)
+    assert isinstance(refused, FrameRefused) and refused.code == ErrorCode.BAD_MESSAGE
+    assert needle in refused.message
+    assert p.state is State.OPEN
+
+
+def test_progress_needs_version_3():
+    p = opened(version=2)
+    p.send_jobs([Leased(7)])
+    p.frames_to_send()
+    [refused] = p.receive(progress_frame({}), 0.0)
+    assert refused.code == ErrorCode.UNEXPECTED and "protocol 3" in refused.message
+
+
+def test_a_long_progress_message_is_cut_not_refused():
+    p = opened(version=3, max_payload=65536)
+    p.send_jobs([Leased(7)])
+    [event] = p.receive(progress_frame({"message": "é" * 5000}), 0.0)
+    assert event.updates[0].message == "é" * 1024

@@ -10,8 +10,19 @@ job is leased, ``gpuq.wait`` starts, the job is completed with the
 completer's statement, and the figure is from that call (so it includes the
 statement and its commit: an upper bound of commit -> waiter) to ``wait``
 returning. ``lost``: cancels or waits that did not arrive within
-``--timeout`` (must be 0). Issue #15's targets: ``cancel_p99_ms`` <= 1000,
-``wait_p50_ms`` <= 5. (Progress is not built yet: no figure for it.)
+``--timeout`` (must be 0).
+
+Progress on the hot path: ``--progress-jobs`` no-op jobs end to end through
+real ``gpuq serve`` and 2 agent processes of capacity 64 (``gpuq bench
+throughput``'s measure), once with the plain no-op handler and once with one
+that reports progress twice (``gpuq.bench.handlers:progress``), alternating
+for ``--rounds`` rounds; ``progress_throughput_ratio`` is the median jobs/s
+with progress over the median without. ``progress_rows``: jobs of the last
+progress run whose progress the server stored (the rest ended before the
+agent's next send).
+
+Issue #15's targets: ``cancel_p99_ms`` <= 1000, ``wait_p50_ms`` <= 5,
+``progress_throughput_ratio`` >= 0.9.
 """
 
 from __future__ import annotations
@@ -25,9 +36,9 @@ import anyio
 
 import gpuq
 from gpuq import queue
-from gpuq.bench import common
+from gpuq.bench import common, throughput
 from gpuq.bench.measure import percentiles
-from gpuq.db import create_pool
+from gpuq.db import connect, create_pool
 from gpuq.harness import KIND, running_server
 
 
@@ -36,9 +47,15 @@ def register(sub: Any) -> None:
         p.add_argument("--jobs", type=common.positive_int, default=200, help="jobs cancelled (default 200)")
         p.add_argument("--timeout", type=common.positive_float, default=10.0,
                        help="seconds a cancel may take before it counts as lost (default 10)")
+        p.add_argument("--progress-jobs", type=common.positive_int, default=20_000,
+                       help="no-op jobs per throughput run, with and without progress (default 20000)")
+        p.add_argument("--rounds", type=common.positive_int, default=2,
+                       help="throughput runs of each, alternating (default 2)")
 
     async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
-        return await run(t.dsn, a.jobs, a.timeout)
+        result = await run(t.dsn, a.jobs, a.timeout)
+        result.update(await measure_progress_throughput(t.dsn, a.progress_jobs, a.rounds))
+        return result
 
     common.declare(sub, "control", "cancel -> running handler stopped, and outcome -> waiter, latency (ms)",
                    __doc__, args, body, report,
@@ -114,6 +131,25 @@ async def measure_waits(pool: Any, jobs: int, timeout: float) -> tuple[list[floa
     return latencies, lost
 
 
+async def measure_progress_throughput(dsn: str, jobs: int, rounds: int) -> dict[str, Any]:
+    """No-op jobs/s end to end, with and without progress reports, alternating in one sitting."""
+    runs: dict[str, list[float]] = {"gpuq.demo:noop": [], "gpuq.bench.handlers:progress": []}
+    for i in range(rounds):
+        for handler, rates in runs.items():
+            common.progress(f"round {i + 1}/{rounds}: {jobs:,} jobs, handler {handler}")
+            r = await throughput.run_gpuq(dsn, jobs, 2, 64, 10_000, handler=handler)
+            rates.append(r["jobs_per_s"])
+    conn = await connect(dsn)
+    try:
+        rows = await conn.fetchval("SELECT count(*) FROM gpuq.jobs WHERE progress IS NOT NULL")
+    finally:
+        await conn.close()
+    plain, reporting = runs.values()
+    return {"progress_jobs": jobs, "plain_jobs_per_s": plain, "progress_jobs_per_s": reporting,
+            "progress_throughput_ratio": round(common.median(reporting) / common.median(plain), 3),
+            "progress_rows": rows}
+
+
 def report(r: dict[str, Any]) -> None:
     common.print_settings(r["postgres"])
     common.print_table(["", "p50 ms", "p90 ms", "p99 ms", "max ms"],
@@ -123,6 +159,13 @@ def report(r: dict[str, Any]) -> None:
                          r["wait_max_ms"]]],
                        title=f"control: {r['jobs']} running jobs cancelled one at a time; {r['jobs']} waits")
     print(f"lost: {r['lost']}")
+    common.print_table(["", "jobs/s (each run)", "median"],
+                       [["no-op", r["plain_jobs_per_s"], common.median(r["plain_jobs_per_s"])],
+                        ["no-op + 2 progress reports", r["progress_jobs_per_s"],
+                         common.median(r["progress_jobs_per_s"])]],
+                       title=f"progress on the hot path: {r['progress_jobs']:,} jobs a run, 2 agents x 64")
+    print(f"progress_throughput_ratio: {r['progress_throughput_ratio']}  "
+          f"(progress stored for {r['progress_rows']} jobs of the last run)")
 
 
 if __name__ == "__main__":

@@ -107,13 +107,13 @@ async def run(dsn: str, jobs: int, agents: int, capacity: int, mode: str = "bulk
 
 
 async def run_gpuq(dsn: str, jobs: int, agents: int, capacity: int, chunk: int,
-                   hold_snapshot: bool = False) -> dict[str, Any]:
+                   hold_snapshot: bool = False, handler: str = "gpuq.demo:noop") -> dict[str, Any]:
     async with common.fleet_on(dsn) as (fleet, conn, settings), _snapshot(dsn, hold_snapshot):
         pg_pid = await postmaster_pid(conn)
         common.progress(f"starting gpuq serve on 127.0.0.1:{fleet.port} and {agents} agents "
                  f"(capacity {capacity}); logs in {fleet.logdir}")
         await anyio.to_thread.run_sync(fleet.start_serve)
-        await anyio.to_thread.run_sync(fleet.start_agents, agents, capacity)
+        await anyio.to_thread.run_sync(fleet.start_agents, agents, capacity, handler)
         cpu = CpuMeter({**fleet.pids(), "postgres": [pg_pid] if pg_pid else []})
         cpu.start()
         common.progress(f"inserting {jobs:,} jobs, {chunk:,} per statement")

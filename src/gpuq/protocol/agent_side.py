@@ -15,11 +15,16 @@ I/O layer (``gpuq.agent``) feeds frames to ``receive()`` and sends what
 - after ``drain()`` the agent is ``finished`` once nothing runs and every
   outcome is acknowledged;
 - a ``cancel`` marks the named running jobs ``cancelled`` (the I/O layer
-  stops their handlers); their outcomes are reported as usual, and fenced.
+  stops their handlers); their outcomes are reported as usual, and fenced;
+- ``progress`` keeps only the latest update of each running job, from any
+  thread, until ``send_progress()`` (the I/O layer calls it at most twice a
+  second); a job's outcome drops its unsent update, and updates are not kept
+  across a reconnect (the new connection does not hold those jobs).
 """
 
 from __future__ import annotations
 
+import threading
 from enum import Enum
 from typing import Any
 
@@ -40,6 +45,7 @@ from gpuq.protocol.messages import (
     encode,
     encode_done,
     mark_cancelled,
+    pack_progress,
     pack_results,
     parse_client,
     parse_server,
@@ -64,6 +70,10 @@ class AgentProtocol:
         self.max_frame = 1 << 20  # the server's max_payload, from its welcome
         self._control: list[str] = []
         self._outcomes: list[str] = []  # encoded outcomes not sent yet on this connection
+        # job id -> its latest progress update (encoded) not sent yet; written from handlers' threads.
+        self._progress: dict[int, str] = {}
+        self._progress_asked = False  # progress() has asked for a send_progress() not yet done
+        self._progress_lock = threading.Lock()
 
     @property
     def finished(self) -> bool:
@@ -118,6 +128,7 @@ class AgentProtocol:
 
     def _finish(self, job: JobMessage, item: str) -> None:
         self.running.pop(job.id, None)
+        self._progress.pop(job.id, None)  # the outcome says more
         self.unacked[job.id] = item
         self._outcomes.append(item)
 
@@ -135,6 +146,26 @@ class AgentProtocol:
             return encode(Failed(job.id, job.lease_token, "result contains the character U+0000, which "
                                  "PostgreSQL cannot store in jsonb", False))
         return item
+
+    # -- progress ------------------------------------------------------------
+
+    def progress(self, job_id: int, item: str) -> bool:
+        """Keep ``item`` (``progress_item``) as the latest update of a running job; any thread may
+        call it. True when the caller must arrange a ``send_progress()``: the first since the last."""
+        with self._progress_lock:
+            if job_id not in self.running:
+                return False
+            self._progress[job_id] = item
+            ask, self._progress_asked = not self._progress_asked, True
+            return ask
+
+    def send_progress(self) -> None:
+        """Queue the updates kept since the last call, in as few ``progress`` frames as fit."""
+        with self._progress_lock:
+            items, self._progress, self._progress_asked = list(self._progress.values()), {}, False
+        limit = self.max_frame - RESULTS_OVERHEAD - 30
+        if self.state is State.OPEN and (items := [i for i in items if len(i) <= limit]):
+            self._control.extend(pack_progress(items, self.max_frame))
 
     # -- control -------------------------------------------------------------
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 from enum import IntEnum, StrEnum
 
 __all__ = ["CANCEL_SINCE", "MAX_CAPACITY", "MAX_CANCEL_IDS", "MAX_ERROR_TEXT", "MAX_HEARTBEAT_IDS", "MAX_JOB_ID",
-           "MAX_KINDS", "MAX_RESULTS", "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CloseCode", "ErrorCode",
-           "ProtocolError"]
+           "MAX_KINDS", "MAX_PROGRESS_DATA", "MAX_PROGRESS_MESSAGE", "MAX_RESULTS", "PROGRESS_SINCE",
+           "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CloseCode", "ErrorCode", "ProtocolError"]
 
-PROTOCOL_VERSION = 2  # what this side speaks
-SUPPORTED_VERSIONS = (1, 2)  # what a server accepts in a hello; it answers in the agent's version
+PROTOCOL_VERSION = 3  # what this side speaks
+SUPPORTED_VERSIONS = (1, 2, 3)  # what a server accepts in a hello; it answers in the agent's version
 CANCEL_SINCE = 2  # the first version with the server's ``cancel`` message
+PROGRESS_SINCE = 3  # the first version with the agent's ``progress`` message
 
 MAX_KINDS = 64
 MAX_CAPACITY = 4096
@@ -19,6 +20,8 @@ MAX_HEARTBEAT_IDS = 4096
 MAX_JOB_ID = 2**63 - 1
 MAX_RESULTS = 4096  # outcomes in one ``results`` message
 MAX_CANCEL_IDS = 4096  # job ids in one ``cancel`` message
+MAX_PROGRESS_MESSAGE = 1024  # characters of a progress message kept (like error text, cut, not refused)
+MAX_PROGRESS_DATA = 8192  # bytes of a progress update's ``data`` as JSON: more is refused
 
 
 class CloseCode(IntEnum):

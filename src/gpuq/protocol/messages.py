@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,8 @@ from gpuq.protocol.codes import (
     MAX_HEARTBEAT_IDS,
     MAX_JOB_ID,
     MAX_KINDS,
+    MAX_PROGRESS_DATA,
+    MAX_PROGRESS_MESSAGE,
     MAX_RESULTS,
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
@@ -33,9 +36,9 @@ from gpuq.protocol.codes import (
 )
 
 __all__ = ["AGENT_NAME", "RESULTS_OVERHEAD", "Ack", "Cancel", "ClientMessage", "Done", "Drain", "Error", "Failed", "Heartbeat",
-           "Hello", "JobMessage", "Jobs", "Results", "ServerDrain", "ServerMessage", "Welcome", "contains_nul",
-           "encode", "encode_done", "job_message", "jobs_frame", "mark_cancelled", "pack_results", "parse_client",
-           "parse_server"]
+           "Hello", "JobMessage", "Jobs", "Progress", "ProgressUpdate", "Results", "ServerDrain", "ServerMessage",
+           "Welcome", "attach_reporter", "contains_nul", "encode", "encode_done", "job_message", "jobs_frame",
+           "mark_cancelled", "pack_progress", "pack_results", "parse_client", "parse_server", "progress_item"]
 
 AGENT_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
 BAD_MESSAGE = ErrorCode.BAD_MESSAGE
@@ -86,7 +89,25 @@ class Drain:
     """From the agent: send me no more jobs (I am finishing and leaving)."""
 
 
-ClientMessage = Hello | Done | Failed | Results | Heartbeat | Drain
+@dataclass(frozen=True, slots=True)
+class ProgressUpdate:
+    """How far one running job has got: ``fraction`` 0-1, an optional message and JSON ``data``."""
+
+    id: int
+    lease_token: str
+    fraction: float
+    message: str | None
+    data: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """From the agent (protocol 3): the latest progress of running jobs, coalesced."""
+
+    updates: tuple[ProgressUpdate, ...]
+
+
+ClientMessage = Hello | Done | Failed | Results | Heartbeat | Drain | Progress
 
 
 def parse_client(frame: str | bytes, max_size: int) -> ClientMessage:
@@ -119,6 +140,11 @@ def parse_client(frame: str | bytes, max_size: int) -> ClientMessage:
         if not isinstance(ids, list) or len(ids) > MAX_HEARTBEAT_IDS:
             raise ProtocolError(BAD_MESSAGE, f"heartbeat.ids must be a list of at most {MAX_HEARTBEAT_IDS} job ids")
         return Heartbeat(tuple(_job_id(i) for i in ids))
+    if kind == "progress":
+        updates = obj["updates"]
+        if not isinstance(updates, list) or not 1 <= len(updates) <= MAX_RESULTS:
+            raise ProtocolError(BAD_MESSAGE, f"progress.updates must be a list of 1-{MAX_RESULTS} updates")
+        return Progress(tuple(_progress_update(u) for u in updates))
     return Drain()
 
 
@@ -132,7 +158,56 @@ _CLIENT_FIELDS = {
     "results": {"type", "results"},
     "heartbeat": {"type", "ids"},
     "drain": {"type"},
+    "progress": {"type", "updates"},
 }
+_PROGRESS_FIELDS = {"id", "lease_token", "fraction", "message", "data"}
+
+
+def _progress_update(obj: Any) -> ProgressUpdate:
+    if not isinstance(obj, dict) or obj.keys() != _PROGRESS_FIELDS:
+        raise ProtocolError(BAD_MESSAGE, "each progress update must be an object with exactly "
+                            f"{', '.join(sorted(_PROGRESS_FIELDS))}")
+    try:
+        fraction, message, _ = _check_progress(obj["fraction"], obj["message"], obj["data"])
+    except ValueError as exc:
+        raise ProtocolError(BAD_MESSAGE, str(exc)) from None
+    return ProgressUpdate(_job_id(obj["id"]), _token(obj["lease_token"]), fraction, message, obj["data"])
+
+
+def _check_progress(fraction: Any, message: Any, data: Any) -> tuple[float, str | None, str]:
+    """The fraction as a float, the message as kept (cut to its limit) and ``data`` as JSON
+    (at most ``MAX_PROGRESS_DATA`` bytes), or ``ValueError`` saying what is wrong."""
+    if type(fraction) is not float:
+        if isinstance(fraction, bool) or not isinstance(fraction, int):
+            raise ValueError(f"progress fraction must be a number from 0 to 1, not {str(fraction)[:40]!r}")
+        fraction = float(fraction)
+    if not 0.0 <= fraction <= 1.0:  # NaN too
+        raise ValueError(f"progress fraction must be a number from 0 to 1, not {fraction!r}")
+    if message is not None:
+        if not isinstance(message, str):
+            raise ValueError(f"progress message must be a string or None, not {type(message).__name__}")
+        message = message[:MAX_PROGRESS_MESSAGE].replace("\x00", "\ufffd")
+    if data is None:
+        return fraction, message, "null"
+    try:
+        data_json = _to_json(data)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"progress data is not JSON-serializable: {exc}") from None
+    if len(data_json) > MAX_PROGRESS_DATA:
+        raise ValueError(f"progress data of {len(data_json)} bytes as JSON is over the limit of {MAX_PROGRESS_DATA}")
+    if "\\u0000" in data_json and contains_nul(data):
+        raise ValueError("progress data must not contain the character U+0000 (jsonb cannot store it)")
+    return fraction, message, data_json
+
+
+def progress_item(job_id: int, lease_token: str, fraction: float, message: str | None = None,
+                  data: Any = None) -> str:
+    """One progress update as JSON, checked (``ValueError`` for a bad value): what ``job.progress``
+    queues. ``lease_token`` is spliced: a canonical UUID, as the server pushed it."""
+    fraction, message, data_json = _check_progress(fraction, message, data)
+    text = "null" if message is None else _to_json(message)
+    return (f'{{"id":{job_id:d},"lease_token":"{lease_token}","fraction":{fraction!r},"message":{text},'
+            f'"data":{data_json}}}')
 
 
 def _outcome(obj: Any, maybe_nul: bool) -> Done | Failed:
@@ -173,15 +248,25 @@ def pack_results(items: list[str], max_size: int) -> list[str]:
 
     An item too large for a frame of its own is the caller's to refuse first.
     """
+    return _pack(_RESULTS_HEAD, items, max_size)
+
+
+def pack_progress(items: list[str], max_size: int) -> list[str]:
+    """Frames of ``progress`` from encoded updates (``progress_item``), each within ``max_size``."""
+    return _pack(_PROGRESS_HEAD, items, max_size)
+
+
+def _pack(head: str, items: list[str], max_size: int) -> list[str]:
+    """``head`` + comma-joined items + ``]}``, in as few frames of at most ``MAX_RESULTS`` items as fit."""
     frames: list[str] = []
-    start, size = 0, len(_RESULTS_HEAD) + len(_RESULTS_TAIL)
+    start, size = 0, len(head) + len(_RESULTS_TAIL)
     for i, item in enumerate(items):
         if i > start and (size + len(item) + 1 > max_size or i - start >= MAX_RESULTS):
-            frames.append(_RESULTS_HEAD + ",".join(items[start:i]) + _RESULTS_TAIL)
-            start, size = i, len(_RESULTS_HEAD) + len(_RESULTS_TAIL)
+            frames.append(head + ",".join(items[start:i]) + _RESULTS_TAIL)
+            start, size = i, len(head) + len(_RESULTS_TAIL)
         size += len(item) + 1
     if start < len(items):
-        frames.append(_RESULTS_HEAD + ",".join(items[start:]) + _RESULTS_TAIL)
+        frames.append(head + ",".join(items[start:]) + _RESULTS_TAIL)
     return frames
 
 
@@ -205,6 +290,7 @@ def job_message(job_id: int, lease_token: str, kind: str, payload_json: str, att
 
 
 _RESULTS_HEAD, _RESULTS_TAIL = '{"type":"results","results":[', "]}"
+_PROGRESS_HEAD = '{"type":"progress","updates":['
 RESULTS_OVERHEAD = len(_RESULTS_HEAD) + len(_RESULTS_TAIL)  # bytes a one-item frame adds to its item
 
 
@@ -247,6 +333,7 @@ class JobMessage:
 
     ``cancelled`` turns true when the server cancels the job (``gpuq cancel``):
     a sync handler checks it and returns early; an async one is cancelled.
+    ``progress()`` reports how far it has got.
     """
 
     id: int
@@ -256,11 +343,27 @@ class JobMessage:
     attempt: int
     timeout: float | None = None  # seconds this attempt may run (protocol 2); the agent stops it then
     cancelled: bool = field(default=False, compare=False)
+    # Where progress() sends an encoded update (the agent sets it); None: nowhere.
+    reporter: Callable[[int, str], None] | None = field(default=None, compare=False, repr=False)
+
+    def progress(self, fraction: float, message: str | None = None, data: Any = None) -> None:
+        """Report how far this job has got: ``fraction`` from 0 to 1, an optional message (cut to
+        1024 characters) and any JSON ``data`` (up to 8 KiB). Call it as often as you like, from
+        any thread: the agent keeps only the latest and sends it at most twice a second, and the
+        server writes it at most once a second. ``ValueError`` for a bad value."""
+        item = progress_item(self.id, self.lease_token, fraction, message, data)
+        if self.reporter is not None:
+            self.reporter(self.id, item)
 
 
 def mark_cancelled(job: JobMessage) -> None:
     """Set ``job.cancelled``: the one field of a pushed job that changes (server cancel, or its timeout)."""
     object.__setattr__(job, "cancelled", True)
+
+
+def attach_reporter(job: JobMessage, reporter: Callable[[int, str], None]) -> None:
+    """Where ``job.progress()`` sends its updates (the agent's side of the connection)."""
+    object.__setattr__(job, "reporter", reporter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,6 +437,9 @@ def encode(msg: ServerMessage | ClientMessage) -> str:
         body = {"type": "heartbeat", "ids": list(msg.ids)}
     elif isinstance(msg, Drain):
         body = {"type": "drain"}
+    elif isinstance(msg, Progress):
+        return pack_progress([progress_item(u.id, u.lease_token, u.fraction, u.message, u.data)
+                              for u in msg.updates], 1 << 62)[0]
     else:  # pragma: no cover - a programming error, not input
         raise TypeError(f"not a protocol message: {msg!r}")
     return _to_json(body)

@@ -15,8 +15,11 @@ connection lives here:
 - credit: ``capacity`` minus the jobs held, none while draining; an outcome
   whose token matches a held job frees its credit;
 - a heartbeat only for jobs this connection holds (``not_held``);
-- the connection speaks the agent's version (1 or 2); ``cancel`` messages go
-  only to agents of version 2 and only name jobs the connection holds.
+- the connection speaks the agent's version (1 to 3); ``cancel`` messages go
+  only to agents of version 2 or later and only name jobs the connection holds;
+- ``progress`` (version 3) counts only for jobs held with that lease token;
+  updates for any other job are dropped without an error (a job the agent
+  still runs after a reconnect is not this connection's).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
-from gpuq.protocol.codes import CANCEL_SINCE, CloseCode, ErrorCode, ProtocolError
+from gpuq.protocol.codes import CANCEL_SINCE, PROGRESS_SINCE, CloseCode, ErrorCode, ProtocolError
 from gpuq.protocol.messages import (
     Ack,
     Cancel,
@@ -37,6 +40,8 @@ from gpuq.protocol.messages import (
     Failed,
     Heartbeat,
     Hello,
+    Progress,
+    ProgressUpdate,
     Results,
     ServerDrain,
     Welcome,
@@ -84,6 +89,11 @@ class DrainRequested:
 
 
 @dataclass(frozen=True, slots=True)
+class ProgressReceived:
+    updates: tuple[ProgressUpdate, ...]  # only jobs this connection holds, with their lease token
+
+
+@dataclass(frozen=True, slots=True)
 class FrameRefused:
     """A frame got an ``error`` (or closed the connection): for metrics and logs."""
 
@@ -91,7 +101,7 @@ class FrameRefused:
     message: str
 
 
-Event = HelloReceived | OutcomesReceived | HeartbeatReceived | DrainRequested | FrameRefused
+Event = HelloReceived | OutcomesReceived | HeartbeatReceived | DrainRequested | ProgressReceived | FrameRefused
 
 
 class PushedJob(Protocol):
@@ -189,6 +199,8 @@ class ServerProtocol:
         if isinstance(msg, Drain):
             self.draining = True
             return [DrainRequested()]
+        if isinstance(msg, Progress):
+            return self._progress(msg.updates)
         raise ProtocolError(ErrorCode.UNEXPECTED, "hello was already received on this connection")
 
     def _outcomes(self, outcomes: tuple[Done | Failed, ...]) -> OutcomesReceived:
@@ -204,6 +216,14 @@ class ServerProtocol:
             else:
                 items.append((msg, "?"))
         return OutcomesReceived(items, freed)
+
+    def _progress(self, updates: tuple[ProgressUpdate, ...]) -> list[Event]:
+        if self.version < PROGRESS_SINCE:
+            raise ProtocolError(ErrorCode.UNEXPECTED, f"progress needs protocol {PROGRESS_SINCE}; this "
+                                f"connection speaks {self.version}")
+        held = self.held
+        mine = tuple(u for u in updates if (entry := held.get(u.id)) is not None and entry[0] == u.lease_token)
+        return [ProgressReceived(mine)] if mine else []
 
     def _heartbeat(self, ids: tuple[int, ...]) -> list[Event]:
         held = tuple(i for i in ids if i in self.held)

@@ -145,6 +145,21 @@ RETURNING j.id, j.status, j.run_at
 )
 SELECT id, status, run_at FROM failed WHERE (SELECT count(*) FROM told) >= 0;
 
+-- name: record_progress
+-- Store running jobs' latest progress where (id, lease_token) still holds the lease, and tell waiters (gpuq_progress); returns the ids written.
+WITH written AS (
+    UPDATE gpuq.jobs j
+    SET progress = jsonb_build_object('fraction', p.fraction, 'message', p.message, 'data', p.data::jsonb,
+                                      'attempt', j.attempts, 'at', now())
+    FROM unnest($1::bigint[], $2::uuid[], $3::float8[], $4::text[], $5::text[]) AS p(id, token, fraction, message, data)
+    WHERE j.id = p.id AND j.status::text = 'leased' AND j.lease_token = p.token
+    RETURNING j.id
+), told AS (  -- one NOTIFY per 300 ids, sent when this commits
+    SELECT pg_notify('gpuq_progress', string_agg(id::text, ',')) FROM (
+        SELECT id, (row_number() OVER () - 1) / 300 AS chunk FROM written) AS c GROUP BY chunk
+)
+SELECT id FROM written WHERE (SELECT count(*) FROM told) >= 0;
+
 -- name: heartbeat
 -- Extend the leases agent $2 holds on ids $1 by $3 seconds; returns the ids extended.
 UPDATE gpuq.jobs
@@ -220,8 +235,9 @@ SELECT pg_notify('gpuq_jobs', $1);
 SELECT pg_notify('gpuq_outcomes', $1);
 
 -- name: job_outcome
--- Where job $1 stands, for a waiter: its state, result (JSON text) and last error.
-SELECT status::text AS status, result::text AS result, last_error FROM gpuq.jobs WHERE id = $1;
+-- Where job $1 stands, for a waiter: its state, result (JSON text), last error and progress (JSON text).
+SELECT status::text AS status, result::text AS result, last_error, progress::text AS progress
+FROM gpuq.jobs WHERE id = $1;
 
 -- name: arm_wakeups
 -- Declare a dispatcher waiting for $1 ms: the clock, the mark before and after, and the transactions to see end first.
@@ -252,7 +268,7 @@ SELECT id, was FROM gpuq.cancel($1::bigint[]);
 -- Every column of job $1, payload and result as JSON text.
 SELECT id, kind, status::text AS status, priority, attempts, max_attempts, payload::text AS payload,
        result::text AS result, last_error, leased_by, lease_expires_at, run_at, created_at, started_at,
-       finished_at, dedup_key, timeout_seconds, deadline_at
+       finished_at, dedup_key, timeout_seconds, deadline_at, progress::text AS progress
 FROM gpuq.jobs WHERE id = $1;
 
 -- name: pause_kind

@@ -1,0 +1,73 @@
+"""The progress writer: running jobs' latest progress, stored at most once per job per second.
+
+Agents send the latest update of each job at most twice a second
+(``job.progress()``); the server reads them into ``latest`` (what ``/status``
+shows) and ``_unwritten``. One task writes everything unwritten with one
+``record_progress`` statement, then sleeps ``WRITE_SECONDS``: so each job's row
+is written at most once a second, however often its handler reports, and the
+statement notifies ``gpuq_progress`` for waiters. An outcome makes a job's
+progress moot: ``forget`` drops it, written or not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import anyio
+
+from gpuq import db, logs, metrics, queue
+from gpuq.loops import run_every
+from gpuq.protocol import ProgressUpdate
+
+log = logs.get("dispatcher")
+
+WRITE_SECONDS = 1.0  # a job's progress is written at most this often
+
+
+class ProgressWriter:
+    def __init__(self, pool: Any):
+        self.pool = pool
+        self.latest: dict[int, ProgressUpdate] = {}  # running jobs of this server's agents that reported
+        self._unwritten: dict[int, ProgressUpdate] = {}
+        self._wake = anyio.Event()
+
+    def submit(self, updates: Iterable[ProgressUpdate]) -> None:
+        """Updates of jobs the reporting connection holds (``ServerProtocol`` checked the tokens)."""
+        for u in updates:
+            self.latest[u.id] = self._unwritten[u.id] = u
+        self._wake.set()
+
+    def forget(self, ids: Iterable[int]) -> None:
+        """These jobs ended or left this server: their progress is no longer ours to write."""
+        for i in ids:
+            if self.latest.pop(i, None) is not None:
+                self._unwritten.pop(i, None)
+
+    def of(self, ids: Iterable[int]) -> dict[int, dict[str, Any]]:
+        """The latest progress of those of ``ids`` that reported any (for ``/status``)."""
+        latest = self.latest
+        return {i: {"fraction": u.fraction, "message": u.message} for i in ids if (u := latest.get(i))}
+
+    async def run(self) -> None:
+        await run_every(WRITE_SECONDS, self._write_when_woken, errors=db.RETRYABLE_ERRORS, on_error=self._failed)
+
+    async def _write_when_woken(self) -> None:
+        await self._wake.wait()
+        self._wake = anyio.Event()
+        await self.write()
+
+    async def write(self) -> None:
+        batch, self._unwritten = self._unwritten, {}
+        try:
+            written = await queue.record_progress(self.pool, batch.values())
+        except BaseException:
+            for i, u in batch.items():  # kept for the next try, unless a newer one came or the job ended
+                if i in self.latest:
+                    self._unwritten.setdefault(i, u)
+            raise
+        metrics.PROGRESS_WRITTEN.inc(len(written))
+
+    def _failed(self, exc: BaseException, retry_in: float) -> None:
+        log.warning("progress.write_failed", error=str(exc), retry_in=retry_in)
+        self._wake.set()
