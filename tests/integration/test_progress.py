@@ -2,6 +2,9 @@
 written at most once per job per second, shown by show, /jobs/ID and /status, streamed to waiters."""
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -81,11 +84,15 @@ async def test_an_async_handler_reports_progress_and_the_outcome_drops_it(dsn, p
         await wait_for(stored)
         shown = await gpuq.show(pool, job_id)
         status = json.loads((await http_get(f"{srv.http}/status"))[2])
+        shell = await anyio.to_thread.run_sync(lambda: subprocess.run(
+            [sys.executable, "-m", "gpuq.cli", "status", "--server", srv.http], capture_output=True, text=True,
+            env={**os.environ, "DATABASE_URL": dsn}, timeout=60))
         go.set()
         await wait_status(pool, job_id, "done")
         after = json.loads((await http_get(f"{srv.http}/status"))[2])
     assert status["agents"][0]["progress"] == {str(job_id): {"fraction": 0.25, "message": "loading"}}
     assert after["agents"][0]["progress"] == {}  # nothing kept for a finished job
+    assert f"    job {job_id}: 25% loading" in shell.stdout.splitlines()  # gpuq status --server
     assert shown["progress"]["fraction"] == 0.25 and shown["progress"]["data"] == {"model": "m"}
     assert (await gpuq.show(pool, job_id))["progress"]["fraction"] == 0.25  # the last one stored
 
