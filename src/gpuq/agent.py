@@ -45,7 +45,7 @@ import anyio
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI
 
-from gpuq import logs, protocol
+from gpuq import gpus, logs, protocol
 from gpuq.loops import RetryBackoff, run_every
 from gpuq.protocol import Ack, Cancel, Error, Hello, Jobs, ServerDrain, Welcome
 from gpuq.protocol.agent_side import AgentProtocol
@@ -84,6 +84,9 @@ class Agent:
         handler: Handler,
         name: str | None = None,
         *,
+        devices: Iterable[protocol.Device] | None = None,
+        labels: Iterable[str] = (),
+        models: Iterable[str] = (),
         ssl_context: ssl.SSLContext | None = None,
         reconnect_min: float = 0.2,
         reconnect_max: float = 30.0,
@@ -97,7 +100,11 @@ class Agent:
         self.reconnect_min, self.reconnect_max = reconnect_min, reconnect_max
         # asyncio events (not anyio's) so an Agent can be built before the loop runs.
         self.connected = asyncio.Event()  # set on the first welcome (handy for tests and demos)
-        self.protocol = AgentProtocol(Hello(self.name, self.kinds, capacity))  # checks the hello
+        # The GPUs jobs may get: given, or what NVML sees (none without an NVIDIA driver).
+        self.devices = gpus.detect() if devices is None else tuple(devices)
+        self._usage = gpus.Usage(self.devices)
+        self.protocol = AgentProtocol(Hello(self.name, self.kinds, capacity, devices=self.devices,
+                                            labels=tuple(labels), models=tuple(models)))  # checks the hello
         self._ready = asyncio.Event()  # the protocol has frames to send
         self._stop_event = asyncio.Event()
         self._tasks: dict[int, asyncio.Task[None]] = {}  # job id -> its async handler's task
@@ -108,6 +115,17 @@ class Agent:
     def completed(self) -> int:
         """Outcomes the server accepted (acknowledged after its commit)."""
         return self.protocol.completed
+
+    def set_models(self, models: Iterable[str]) -> None:
+        """The models this agent now holds warm (after loading weights): placement prefers it for
+        jobs that name one. Told to the server at once, without reconnecting."""
+        self.protocol.update(models=models)
+        self._ready.set()
+
+    def set_labels(self, labels: Iterable[str]) -> None:
+        """Replace this agent's labels (what jobs may require), without reconnecting."""
+        self.protocol.update(labels=labels)
+        self._ready.set()
 
     def stop(self) -> None:
         """Finish running jobs, report them, then return from ``run()``."""
@@ -284,7 +302,7 @@ class Agent:
     async def _heartbeats(self, every: float) -> None:
         while True:
             await anyio.sleep(every)
-            self.protocol.heartbeat()
+            self.protocol.heartbeat(self._usage.read())
             self._ready.set()
 
     async def run_until_signal(self) -> None:

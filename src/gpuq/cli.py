@@ -318,6 +318,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def cmd_agent(args: argparse.Namespace) -> int:
     from gpuq.agent import Agent
+    from gpuq.gpus import parse_devices
+    from gpuq.protocol import ProtocolError
 
     token, kinds = config.get("token", flag=args.token), config.get("kinds", flag=args.kinds)
     if not token:
@@ -330,8 +332,16 @@ def cmd_agent(args: argparse.Namespace) -> int:
         import ssl
 
         ctx = ssl.create_default_context(cafile=args.ca_file)
-    agent = Agent(config.get("url", flag=args.url), token, kinds, config.get("capacity", flag=args.capacity),
-                  handler, config.get("agent_name", flag=args.agent_name), ssl_context=ctx)
+    try:
+        devices = parse_devices(config.get("devices", flag=args.devices))
+    except ValueError as exc:
+        raise CLIError(f"--devices: {exc}") from None
+    try:
+        agent = Agent(config.get("url", flag=args.url), token, kinds, config.get("capacity", flag=args.capacity),
+                      handler, config.get("agent_name", flag=args.agent_name), ssl_context=ctx, devices=devices,
+                      labels=config.get("labels", flag=args.labels), models=config.get("models", flag=args.models))
+    except ProtocolError as exc:
+        raise CLIError(exc.message) from None
     run_service(agent.run_until_signal)
     return 0
 
@@ -585,7 +595,15 @@ def render_status(body: dict[str, Any]) -> str:
     if "server" in body:
         lines.append(f"agents connected: {body['server'].get('agents_connected', 0)}")
         for a in body["server"].get("agents", []):
-            lines.append(f"  {a['agent']}  kinds={','.join(a['kinds'])}  inflight={a['inflight']}/{a['capacity']}")
+            lines.append(f"  {a['agent']}  kinds={','.join(a['kinds'])}  inflight={a['inflight']}/{a['capacity']}"
+                         f"  protocol={a.get('protocol', '?')}")
+            if a.get("labels") or a.get("models"):
+                lines.append(f"    labels: {', '.join(a.get('labels', [])) or '-'}"
+                             f"  models: {', '.join(a.get('models', [])) or '-'}")
+            for d in a.get("devices", []):
+                usage = "" if d["utilization"] is None else \
+                    f"  util {d['utilization']}%  used {d['memory_used_mb']} MiB"
+                lines.append(f"    gpu {d['index']}: {d['name']} {d['memory_mb']} MiB{usage}")
             for job_id, p in sorted(a.get("progress", {}).items(), key=lambda item: int(item[0])):
                 lines.append(f"    job {job_id}: {p['fraction']:.0%}" + (f" {p['message']}" if p["message"] else ""))
     return "\n".join(lines)

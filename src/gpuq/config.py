@@ -72,6 +72,10 @@ def parse_kinds(text: str, name: str = "GPUQ_KINDS") -> list[str]:
     return [k.strip() for k in text.split(",") if k.strip()]
 
 
+def parse_list(text: str, name: str) -> tuple[str, ...]:
+    return tuple(k.strip() for k in text.split(",") if k.strip())
+
+
 # -- the table ---------------------------------------------------------------
 
 SERVE = "serve"
@@ -164,6 +168,15 @@ SETTINGS: tuple[Setting, ...] = (
             {AGENT: "--handler"}),
     Setting("agent_name", "GPUQ_AGENT_NAME", None, parse_text, "agent name in logs and leased_by",
             {AGENT: "--name"}, shown="hostname"),
+    Setting("devices", "GPUQ_DEVICES", "auto", parse_text,
+            "the GPUs this agent gives to jobs: `auto` (NVML, within CUDA_VISIBLE_DEVICES), `none`, or "
+            "`NAME:MEMORY,...` (`h100:80G,h100:80G`; indices 0, 1, ...)", {AGENT: "--devices"}),
+    Setting("labels", "GPUQ_LABELS", (), parse_list,
+            "comma-separated labels jobs may require (`gpu=h100,region=eu`)", {AGENT: "--labels"},
+            shown="none"),
+    Setting("models", "GPUQ_MODELS", (), parse_list,
+            "comma-separated models held warm at start (the handler may change them)", {AGENT: "--models"},
+            shown="none"),
     Setting("log_format", "GPUQ_LOG_FORMAT", "auto", _choice("auto", "json", "console"),
             "`json` lines, or `console`; auto = console on a terminal", dict.fromkeys(LOGGED, "--log-format")),
     Setting("log_level", "GPUQ_LOG_LEVEL", "info", _choice("info", "debug", "warning", "error", "critical"),

@@ -42,7 +42,7 @@ from gpuq.completer import Completer
 from gpuq.config import ServerConfig
 from gpuq.loops import RetryBackoff, run_every
 from gpuq.progress import ProgressWriter
-from gpuq.protocol import Done, Failed, ProgressUpdate
+from gpuq.protocol import Device, Done, Failed, ProgressUpdate
 from gpuq.protocol.server_side import ServerProtocol
 from gpuq.queue import Backoff
 from gpuq.sql import queries
@@ -76,6 +76,7 @@ class AgentSession:
     close: Callable[[int, str], Awaitable[None]]
     id: str = ""  # the jobs' leased_by: name + a per-connection suffix
     kinds: frozenset[str] = frozenset()
+    remote: str = ""  # the peer's address
 
     def __post_init__(self) -> None:
         hello = self.protocol.hello
@@ -97,6 +98,11 @@ class AgentSession:
     @property
     def free(self) -> int:
         return self.protocol.free
+
+    @property
+    def devices(self) -> tuple[Device, ...]:
+        """The GPUs the agent offers (protocol 4; none before)."""
+        return self.protocol.hello.devices if self.protocol.hello else ()
 
     @property
     def draining(self) -> bool:
@@ -192,6 +198,12 @@ class Dispatcher:
     def report_progress(self, updates: Iterable[ProgressUpdate]) -> None:
         """Progress of jobs the reporting connection holds: written within ``progress.WRITE_SECONDS``."""
         self.progress.submit(updates)
+
+    def agent_updated(self, session: AgentSession) -> None:
+        """Its labels or warm models changed: jobs may now fit it, or fit it better."""
+        log.info("agent.updated", agent=session.id, labels=list(session.protocol.labels),
+                 models=list(session.protocol.models))
+        self._credit_freed(session, new_agent=True)
 
     def set_draining(self, session: AgentSession) -> None:
         log.info("agent.draining", agent=session.id, inflight=len(session.inflight))

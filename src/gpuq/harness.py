@@ -76,8 +76,10 @@ class Running:
         return f"http://127.0.0.1:{self.port}"
 
     async def agent(self, kinds: list[str], capacity: int, handler: Any, name: str = "agent",
-                    wait: bool = True) -> Agent:
-        a = Agent(self.url, TOKEN, kinds, capacity, handler, name, reconnect_min=0.05, reconnect_max=0.5)
+                    wait: bool = True, **described: Any) -> Agent:
+        """An agent run in this task group; ``described``: its devices, labels, models (default: none)."""
+        a = Agent(self.url, TOKEN, kinds, capacity, handler, name, reconnect_min=0.05, reconnect_max=0.5,
+                  **{"devices": (), **described})
         self.agents.append(a)
         self.tg.start_soon(a.run)
         if wait:
@@ -170,11 +172,11 @@ class ThreadedServer:
 
 
 async def raw_agent(srv: Running, kinds: tuple[str, ...] = ("embed",), capacity: int = 1,
-                    name: str = "raw") -> tuple[ClientConnection, dict[str, Any]]:
-    """A hand-driven agent connection: hello sent, welcome read."""
+                    name: str = "raw", **hello: Any) -> tuple[ClientConnection, dict[str, Any]]:
+    """A hand-driven agent connection: hello sent (protocol 1 unless ``hello`` says otherwise), welcome read."""
     ws = await connect(srv.url, additional_headers={"Authorization": f"Bearer {TOKEN}"})
     await ws.send(json.dumps({"type": "hello", "agent": name, "kinds": list(kinds), "capacity": capacity,
-                              "protocol": 1}))
+                              "protocol": 1, **hello}))
     welcome = json.loads(await ws.recv())
     assert welcome["type"] == "welcome"
     return ws, welcome

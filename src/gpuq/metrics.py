@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -38,3 +41,23 @@ WAKEUP_ARMS = Counter("gpuq_wakeup_arms", "Times the dispatcher asked producers 
 PROTOCOL_ERRORS = Counter("gpuq_protocol_errors", "Agent messages refused", ["code"], registry=REGISTRY)
 PROGRESS_WRITTEN = Counter("gpuq_progress_written", "Progress updates stored (at most one per job per second)",
                            registry=REGISTRY)
+DEVICE_MEMORY_TOTAL = Gauge("gpuq_agent_device_memory_total_bytes", "A connected agent's GPU memory",
+                            ["agent", "device", "name"], registry=REGISTRY)
+DEVICE_MEMORY_USED = Gauge("gpuq_agent_device_memory_used_bytes", "GPU memory in use (NVML, at its last heartbeat)",
+                           ["agent", "device"], registry=REGISTRY)
+DEVICE_UTILIZATION = Gauge("gpuq_agent_device_utilization_ratio", "GPU utilisation 0-1 (NVML, at its last heartbeat)",
+                           ["agent", "device"], registry=REGISTRY)
+
+
+def show_devices(agents: Iterable[tuple[str, Iterable[Any], dict[int, Any]]]) -> None:
+    """Set the device gauges, at scrape time, from ``(agent id, devices, usage by index)`` of the
+    agents connected now: an agent that left leaves no stale series."""
+    for gauge in (DEVICE_MEMORY_TOTAL, DEVICE_MEMORY_USED, DEVICE_UTILIZATION):
+        gauge.clear()
+    for agent, devices, usage in agents:
+        for d in devices:
+            index = str(d.index)
+            DEVICE_MEMORY_TOTAL.labels(agent=agent, device=index, name=d.name).set(d.memory_mb << 20)
+            if (u := usage.get(d.index)) is not None:
+                DEVICE_MEMORY_USED.labels(agent=agent, device=index).set(u.memory_used_mb << 20)
+                DEVICE_UTILIZATION.labels(agent=agent, device=index).set(u.utilization / 100)

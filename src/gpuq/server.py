@@ -86,6 +86,7 @@ class AgentServer:
                     metrics.QUEUE_DEPTH.labels(status=status).set(counts.total(status))
             except db.RETRYABLE_ERRORS:
                 pass  # the rest of the metrics are still worth serving
+            metrics.show_devices((s.id, s.devices, s.protocol.usage) for s in self.d.sessions.values())
             return _response(HTTPStatus.OK, generate_latest(metrics.REGISTRY), CONTENT_TYPE_LATEST)
         return _response(HTTPStatus.NOT_FOUND, b"not found: try /agent, /healthz, /status, /metrics, /jobs/ID\n",
                          "text/plain")
@@ -132,14 +133,22 @@ class AgentServer:
     async def status(self) -> dict[str, Any]:
         counts = await queue.status_counts(self.d.pool)
         body = counts.as_dict()
-        body["agents"] = [
-            {"agent": s.id, "kinds": sorted(s.kinds), "capacity": s.capacity, "inflight": len(s.inflight),
-             "draining": s.draining, "protocol": s.protocol.version,
-             "progress": {str(i): p for i, p in self.d.progress.of(s.inflight).items()}}
-            for s in self.d.sessions.values()
-        ]
+        body["agents"] = [self._agent_status(s) for s in self.d.sessions.values()]
         body["agents_connected"] = len(self.d.sessions)
         return body
+
+    def _agent_status(self, s: AgentSession) -> dict[str, Any]:
+        proto = s.protocol
+        devices = []
+        for d in s.devices:
+            usage = proto.usage.get(d.index)
+            devices.append({"index": d.index, "name": d.name, "memory_mb": d.memory_mb,
+                            "utilization": usage.utilization if usage else None,
+                            "memory_used_mb": usage.memory_used_mb if usage else None})
+        return {"agent": s.id, "kinds": sorted(s.kinds), "capacity": s.capacity, "inflight": len(s.inflight),
+                "draining": s.draining, "protocol": proto.version, "remote": s.remote, "devices": devices,
+                "labels": list(proto.labels), "models": list(proto.models),
+                "progress": {str(i): p for i, p in self.d.progress.of(s.inflight).items()}}
 
     # -- websocket: one agent connection ---------------------------------
     # This layer only pumps frames: every rule of the connection is in
@@ -168,7 +177,7 @@ class AgentServer:
         def flush() -> None:
             wake[0].set()
 
-        session = AgentSession(proto, flush=flush, close=ws.close)
+        session = AgentSession(proto, flush=flush, close=ws.close, remote=_remote(ws))
         proto.accept(Welcome(session.id, self.config.lease_seconds, self.config.heartbeat_seconds,
                              self.config.max_payload, proto.version))
         await _send_all(ws, proto)
@@ -218,6 +227,8 @@ class AgentServer:
             self.d.set_draining(session)
         elif isinstance(event, server_side.ProgressReceived):
             self.d.report_progress(event.updates)
+        elif isinstance(event, server_side.AgentUpdated):
+            self.d.agent_updated(session)
         else:
             self._refused([event])
 

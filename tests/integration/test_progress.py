@@ -62,7 +62,7 @@ async def test_a_sync_handler_reporting_often_is_written_once_a_second_and_strea
                                                                              "attempt", "at"}
     assert code == 200 and json.loads(body)["progress"]["data"]["step"] > 0
     [agent] = status["agents"]
-    assert agent["protocol"] == 3 and agent["progress"][str(job_id)]["message"].startswith("step ")
+    assert agent["protocol"] >= 3 and agent["progress"][str(job_id)]["message"].startswith("step ")
 
 
 async def test_an_async_handler_reports_progress_and_the_outcome_drops_it(dsn, pool):

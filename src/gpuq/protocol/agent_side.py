@@ -19,16 +19,21 @@ I/O layer (``gpuq.agent``) feeds frames to ``receive()`` and sends what
 - ``progress`` keeps only the latest update of each running job, from any
   thread, until ``send_progress()`` (the I/O layer calls it at most twice a
   second); a job's outcome drops its unsent update, and updates are not kept
-  across a reconnect (the new connection does not hold those jobs).
+  across a reconnect (the new connection does not hold those jobs);
+- ``update()`` changes labels or warm models: sent at once when connected,
+  and the next ``hello`` carries them, so a reconnect never loses them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from collections.abc import Iterable
 from enum import Enum
 from typing import Any
 
 from gpuq.protocol.codes import ErrorCode, ProtocolError
+from gpuq.protocol.describe import DeviceUsage
 from gpuq.protocol.messages import (
     RESULTS_OVERHEAD,
     Ack,
@@ -40,6 +45,7 @@ from gpuq.protocol.messages import (
     JobMessage,
     Jobs,
     ServerMessage,
+    Update,
     Welcome,
     contains_nul,
     encode,
@@ -169,10 +175,23 @@ class AgentProtocol:
 
     # -- control -------------------------------------------------------------
 
-    def heartbeat(self) -> None:
-        """Extend the leases of the running jobs (nothing to send when none runs)."""
-        if self.running:
-            self._control.append(encode(Heartbeat(tuple(self.running))))
+    def heartbeat(self, usage: tuple[DeviceUsage, ...] | None = None) -> None:
+        """Extend the leases of the running jobs, and report device ``usage`` when known (nothing to
+        send when no job runs and there is no usage)."""
+        if self.running or usage is not None:
+            self._control.append(encode(Heartbeat(tuple(self.running), usage)))
+
+    def update(self, labels: Iterable[str] | None = None, models: Iterable[str] | None = None) -> None:
+        """New labels and/or warm models (None: unchanged): told to the server now if connected,
+        and in every later ``hello``. ``ProtocolError`` for a bad name, before anything changes."""
+        msg = Update(None if labels is None else tuple(labels), None if models is None else tuple(models))
+        checked = parse_client(encode(msg), 1 << 20)  # the server's rules, checked here
+        assert isinstance(checked, Update)
+        self.hello = dataclasses.replace(
+            self.hello, labels=self.hello.labels if checked.labels is None else checked.labels,
+            models=self.hello.models if checked.models is None else checked.models)
+        if self.state is State.OPEN:
+            self._control.append(encode(checked))
 
     def drain(self) -> None:
         """Ask for no more jobs: the agent is finishing and leaving."""

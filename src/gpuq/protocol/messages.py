@@ -28,16 +28,27 @@ from gpuq.protocol.codes import (
     MAX_PROGRESS_DATA,
     MAX_PROGRESS_MESSAGE,
     MAX_RESULTS,
+    PLACEMENT_SINCE,
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
     CloseCode,
     ErrorCode,
     ProtocolError,
 )
+from gpuq.protocol.describe import (
+    Device,
+    DeviceUsage,
+    check_labels,
+    check_models,
+    device_json,
+    devices_from,
+    usage_from,
+    usage_json,
+)
 
 __all__ = ["AGENT_NAME", "RESULTS_OVERHEAD", "Ack", "Cancel", "ClientMessage", "Done", "Drain", "Error", "Failed", "Heartbeat",
            "Hello", "JobMessage", "Jobs", "Progress", "ProgressUpdate", "Results", "ServerDrain", "ServerMessage",
-           "Welcome", "attach_reporter", "contains_nul", "encode", "encode_done", "job_message", "jobs_frame",
+           "Update", "Welcome", "attach_reporter", "contains_nul", "encode", "encode_done", "job_message", "jobs_frame",
            "mark_cancelled", "pack_progress", "pack_results", "parse_client", "parse_server", "progress_item"]
 
 AGENT_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
@@ -55,6 +66,10 @@ class Hello:
     kinds: tuple[str, ...]
     capacity: int
     protocol: int = PROTOCOL_VERSION
+    # Protocol 4: what the agent has (describe.py). Sent only by agents of version 4.
+    devices: tuple[Device, ...] = ()
+    labels: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +97,15 @@ class Results:
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
     ids: tuple[int, ...]
+    devices: tuple[DeviceUsage, ...] | None = None  # protocol 4, when the agent can read them (NVML)
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """From the agent (protocol 4): its labels and/or warm models changed (None: unchanged)."""
+
+    labels: tuple[str, ...] | None
+    models: tuple[str, ...] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +131,7 @@ class Progress:
     updates: tuple[ProgressUpdate, ...]
 
 
-ClientMessage = Hello | Done | Failed | Results | Heartbeat | Drain | Progress
+ClientMessage = Hello | Done | Failed | Results | Heartbeat | Drain | Progress | Update
 
 
 def parse_client(frame: str | bytes, max_size: int) -> ClientMessage:
@@ -123,6 +147,10 @@ def parse_client(frame: str | bytes, max_size: int) -> ClientMessage:
     if fields is None:
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r}; expected one of "
                             f"{', '.join(sorted(_CLIENT_FIELDS))}", fatal=kind == "hello")
+    if kind == "hello" and _hello_version(obj) >= PLACEMENT_SINCE:
+        fields = _HELLO_4_FIELDS
+    elif kind == "heartbeat" and "devices" in obj:
+        fields = _HEARTBEAT_4_FIELDS
     _exact_fields(obj, fields, fatal=kind == "hello")
     if kind == "hello":
         return _hello(obj)
@@ -139,7 +167,10 @@ def parse_client(frame: str | bytes, max_size: int) -> ClientMessage:
         ids = obj["ids"]
         if not isinstance(ids, list) or len(ids) > MAX_HEARTBEAT_IDS:
             raise ProtocolError(BAD_MESSAGE, f"heartbeat.ids must be a list of at most {MAX_HEARTBEAT_IDS} job ids")
-        return Heartbeat(tuple(_job_id(i) for i in ids))
+        return Heartbeat(tuple(_job_id(i) for i in ids), usage_from(obj["devices"]) if "devices" in obj else None)
+    if kind == "update":
+        return Update(None if obj["labels"] is None else check_labels(obj["labels"], "update.labels"),
+                      None if obj["models"] is None else check_models(obj["models"], "update.models"))
     if kind == "progress":
         updates = obj["updates"]
         if not isinstance(updates, list) or not 1 <= len(updates) <= MAX_RESULTS:
@@ -159,7 +190,10 @@ _CLIENT_FIELDS = {
     "heartbeat": {"type", "ids"},
     "drain": {"type"},
     "progress": {"type", "updates"},
+    "update": {"type", "labels", "models"},
 }
+_HELLO_4_FIELDS = _CLIENT_FIELDS["hello"] | {"devices", "labels", "models"}
+_HEARTBEAT_4_FIELDS = _CLIENT_FIELDS["heartbeat"] | {"devices"}
 _PROGRESS_FIELDS = {"id", "lease_token", "fraction", "message", "data"}
 
 
@@ -276,7 +310,7 @@ def jobs_frame(messages: list[str]) -> str:
 
 
 def job_message(job_id: int, lease_token: str, kind: str, payload_json: str, attempt: int,
-                timeout: int | None = None) -> str:
+                timeout: int | None = None, devices: tuple[int, ...] = ()) -> str:
     """One pushed job, as JSON, around a payload that is JSON text already (from PostgreSQL).
 
     Spliced, not encoded: the lease token is PostgreSQL's uuid text and the
@@ -285,6 +319,8 @@ def job_message(job_id: int, lease_token: str, kind: str, payload_json: str, att
     (json_build_object): see docs/design.md, "The push".
     """
     limit = "" if timeout is None else f',"timeout":{timeout:d}'
+    if devices:
+        limit += ',"devices":[' + ",".join(map(str, devices)) + "]"
     return (f'{{"id":{job_id:d},"lease_token":"{lease_token}","kind":"{kind}","payload":{payload_json},'
             f'"attempt":{attempt:d}{limit}}}')
 
@@ -294,12 +330,18 @@ _PROGRESS_HEAD = '{"type":"progress","updates":['
 RESULTS_OVERHEAD = len(_RESULTS_HEAD) + len(_RESULTS_TAIL)  # bytes a one-item frame adds to its item
 
 
-def _hello(obj: dict[str, Any]) -> Hello:
-    version = obj["protocol"]
+def _hello_version(obj: dict[str, Any]) -> int:
+    """The hello's protocol version, checked first: its fields depend on it."""
+    version = obj.get("protocol")
     if version not in SUPPORTED_VERSIONS or not _is_int(version):
-        raise ProtocolError(BAD_MESSAGE, f"protocol {version!r} is not supported; this server speaks "
+        raise ProtocolError(BAD_MESSAGE, f"protocol {str(version)[:40]!r} is not supported; this server speaks "
                             f"{', '.join(map(str, SUPPORTED_VERSIONS))}", fatal=True,
                             close=CloseCode.UNSUPPORTED_VERSION)
+    return int(version)
+
+
+def _hello(obj: dict[str, Any]) -> Hello:
+    version = obj["protocol"]
     agent, kinds, capacity = obj["agent"], obj["kinds"], obj["capacity"]
     if not isinstance(agent, str) or not AGENT_NAME.fullmatch(agent):
         raise ProtocolError(BAD_MESSAGE, "hello.agent must be 1-64 characters of A-Z a-z 0-9 _ . : @ -",
@@ -310,7 +352,11 @@ def _hello(obj: dict[str, Any]) -> Hello:
                             f"({KIND_RULE})", fatal=True)
     if not _is_int(capacity) or not 1 <= capacity <= MAX_CAPACITY:
         raise ProtocolError(BAD_MESSAGE, f"hello.capacity must be an integer 1-{MAX_CAPACITY}", fatal=True)
-    return Hello(agent, tuple(dict.fromkeys(kinds)), capacity, version)
+    if version < PLACEMENT_SINCE:
+        return Hello(agent, tuple(dict.fromkeys(kinds)), capacity, version)
+    return Hello(agent, tuple(dict.fromkeys(kinds)), capacity, version, devices_from(obj["devices"]),
+                 check_labels(obj["labels"], "hello.labels", fatal=True),
+                 check_models(obj["models"], "hello.models", fatal=True))
 
 
 # --------------------------------------------------------------------------
@@ -342,6 +388,7 @@ class JobMessage:
     payload: Any
     attempt: int
     timeout: float | None = None  # seconds this attempt may run (protocol 2); the agent stops it then
+    devices: tuple[int, ...] = ()  # the device indices this job was given (protocol 4; GPU jobs only)
     cancelled: bool = field(default=False, compare=False)
     # Where progress() sends an encoded update (the agent sets it); None: nowhere.
     reporter: Callable[[int, str], None] | None = field(default=None, compare=False, repr=False)
@@ -418,7 +465,8 @@ def encode(msg: ServerMessage | ClientMessage) -> str:
     elif isinstance(msg, Jobs):
         body = {"type": "jobs", "jobs": [
             {"id": j.id, "lease_token": j.lease_token, "kind": j.kind, "payload": j.payload,
-             "attempt": j.attempt, **({} if j.timeout is None else {"timeout": int(j.timeout)})}
+             "attempt": j.attempt, **({} if j.timeout is None else {"timeout": int(j.timeout)}),
+             **({"devices": list(j.devices)} if j.devices else {})}
             for j in msg.jobs]}
     elif isinstance(msg, Welcome):
         body = {"type": "welcome", "agent_id": msg.agent_id, "protocol": msg.protocol,
@@ -433,8 +481,16 @@ def encode(msg: ServerMessage | ClientMessage) -> str:
     elif isinstance(msg, Hello):
         body = {"type": "hello", "agent": msg.agent, "kinds": list(msg.kinds), "capacity": msg.capacity,
                 "protocol": msg.protocol}
+        if msg.protocol >= PLACEMENT_SINCE:
+            body.update(devices=[device_json(d) for d in msg.devices], labels=list(msg.labels),
+                        models=list(msg.models))
     elif isinstance(msg, Heartbeat):
         body = {"type": "heartbeat", "ids": list(msg.ids)}
+        if msg.devices is not None:
+            body["devices"] = [usage_json(u) for u in msg.devices]
+    elif isinstance(msg, Update):
+        body = {"type": "update", "labels": None if msg.labels is None else list(msg.labels),
+                "models": None if msg.models is None else list(msg.models)}
     elif isinstance(msg, Drain):
         body = {"type": "drain"}
     elif isinstance(msg, Progress):
@@ -466,7 +522,8 @@ def parse_server(frame: str | bytes) -> ServerMessage:
                            float(obj["heartbeat_seconds"]), int(obj["max_payload"]), int(obj["protocol"]))
         if kind == "jobs":
             return Jobs(tuple(JobMessage(_job_id(j["id"]), _token(j["lease_token"]), str(j["kind"]),
-                                         j["payload"], int(j["attempt"]), _timeout(j.get("timeout")))
+                                         j["payload"], int(j["attempt"]), _timeout(j.get("timeout")),
+                                         _devices(j.get("devices")))
                               for j in obj["jobs"]))
         if kind == "ack":
             return Ack(tuple(_job_id(i) for i in obj["accepted"]), tuple(_job_id(i) for i in obj["rejected"]))
@@ -527,6 +584,14 @@ def _timeout(value: Any) -> float | None:
     if not _is_int(value) or value < 1:
         raise ValueError(f"job timeout must be a positive integer, not {str(value)[:40]!r}")
     return float(value)
+
+
+def _devices(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(_is_int(i) and 0 <= i <= 255 for i in value):
+        raise ValueError(f"job devices must be a list of device indices, not {str(value)[:40]!r}")
+    return tuple(value)
 
 
 def _job_id(value: Any) -> int:

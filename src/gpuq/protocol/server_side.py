@@ -19,7 +19,10 @@ connection lives here:
   only to agents of version 2 or later and only name jobs the connection holds;
 - ``progress`` (version 3) counts only for jobs held with that lease token;
   updates for any other job are dropped without an error (a job the agent
-  still runs after a reconnect is not this connection's).
+  still runs after a reconnect is not this connection's);
+- version 4: the hello's devices, labels and models describe the agent;
+  ``update`` replaces labels and/or models, heartbeats may carry device
+  usage; ``labels``, ``models`` and ``usage`` here are always the latest.
 """
 
 from __future__ import annotations
@@ -29,7 +32,15 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
-from gpuq.protocol.codes import CANCEL_SINCE, PROGRESS_SINCE, CloseCode, ErrorCode, ProtocolError
+from gpuq.protocol.codes import (
+    CANCEL_SINCE,
+    PLACEMENT_SINCE,
+    PROGRESS_SINCE,
+    CloseCode,
+    ErrorCode,
+    ProtocolError,
+)
+from gpuq.protocol.describe import DeviceUsage
 from gpuq.protocol.messages import (
     Ack,
     Cancel,
@@ -44,6 +55,7 @@ from gpuq.protocol.messages import (
     ProgressUpdate,
     Results,
     ServerDrain,
+    Update,
     Welcome,
     encode,
     job_message,
@@ -89,6 +101,11 @@ class DrainRequested:
 
 
 @dataclass(frozen=True, slots=True)
+class AgentUpdated:
+    """Labels or warm models changed (version 4): placement may now differ."""
+
+
+@dataclass(frozen=True, slots=True)
 class ProgressReceived:
     updates: tuple[ProgressUpdate, ...]  # only jobs this connection holds, with their lease token
 
@@ -101,7 +118,8 @@ class FrameRefused:
     message: str
 
 
-Event = HelloReceived | OutcomesReceived | HeartbeatReceived | DrainRequested | ProgressReceived | FrameRefused
+Event = (HelloReceived | OutcomesReceived | HeartbeatReceived | DrainRequested | ProgressReceived | AgentUpdated
+         | FrameRefused)
 
 
 class PushedJob(Protocol):
@@ -141,6 +159,9 @@ class ServerProtocol:
         self.errors = 0
         self.draining = False
         self.held: dict[int, tuple[str, str]] = {}  # job id -> (lease token, kind)
+        self.labels: tuple[str, ...] = ()  # version 4: the hello's, then each update's
+        self.models: tuple[str, ...] = ()
+        self.usage: dict[int, DeviceUsage] = {}  # device index -> its last reported usage
         self._bucket = TokenBucket(max_messages_per_second, RATE_BURST_SECONDS, now)
         self._out: list[str] = []
         self._close: tuple[CloseCode, str] | None = None
@@ -187,6 +208,7 @@ class ServerProtocol:
         if not isinstance(msg, Hello):
             raise ProtocolError(ErrorCode.UNEXPECTED, "the first message must be hello", fatal=True)
         self.hello, self.state = msg, State.OPEN
+        self.labels, self.models = msg.labels, msg.models
         return [HelloReceived(msg)]
 
     def _message(self, msg: ClientMessage) -> list[Event]:
@@ -195,7 +217,14 @@ class ServerProtocol:
         if isinstance(msg, Results):
             return [self._outcomes(msg.outcomes)]
         if isinstance(msg, Heartbeat):
+            if msg.devices is not None:
+                self._usage(msg.devices)
             return self._heartbeat(msg.ids)
+        if isinstance(msg, Update):
+            self._placement_message("update")
+            self.labels = self.labels if msg.labels is None else msg.labels
+            self.models = self.models if msg.models is None else msg.models
+            return [AgentUpdated()]
         if isinstance(msg, Drain):
             self.draining = True
             return [DrainRequested()]
@@ -216,6 +245,16 @@ class ServerProtocol:
             else:
                 items.append((msg, "?"))
         return OutcomesReceived(items, freed)
+
+    def _placement_message(self, what: str) -> None:
+        if self.version < PLACEMENT_SINCE:
+            raise ProtocolError(ErrorCode.UNEXPECTED, f"{what} needs protocol {PLACEMENT_SINCE}; this "
+                                f"connection speaks {self.version}")
+
+    def _usage(self, devices: tuple[DeviceUsage, ...]) -> None:
+        self._placement_message("device usage in a heartbeat")
+        known = {d.index for d in self.hello.devices} if self.hello else set()
+        self.usage.update((u.index, u) for u in devices if u.index in known)
 
     def _progress(self, updates: tuple[ProgressUpdate, ...]) -> list[Event]:
         if self.version < PROGRESS_SINCE:
