@@ -128,8 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dedup-key", help="skip if a live job has this key (prints the live job's id)")
     e.add_argument("--timeout", type=int, default=None,
                    help="seconds one attempt may run; then it fails with 'timeout' (default: no limit)")
+    e.add_argument("--gpus", type=int, default=0, help="GPUs the job takes, on one agent (default 0)")
+    e.add_argument("--gpu-memory", type=int, default=None, metavar="MIB",
+                   help="the least memory of each of those GPUs, MiB")
+    e.add_argument("--labels", default="", help="comma-separated labels the agent must have (gpu=h100,...)")
+    e.add_argument("--model", default=None, help="the model it would rather find warm on its agent")
+    e.add_argument("--concurrency-key", default=None, help="what global limits count it under (a tenant, ...)")
     e.add_argument("--stdin", action="store_true",
-                   help='bulk: one JSON object per line, {"kind": ..., "payload": ..., "priority": ...}')
+                   help='bulk: one JSON object per line, {"kind": ..., "payload": ..., "priority": ...}; '
+                        "the flags' names (gpus, gpu_memory_mb, labels, model, concurrency_key) too")
     e.add_argument("--batch", type=int, default=1000, help="rows per INSERT with --stdin (default 1000)")
     config.add_flags(e, "enqueue")
     e.set_defaults(func=cmd_enqueue)
@@ -370,8 +377,13 @@ def cmd_enqueue(args: argparse.Namespace) -> int:
         return _enqueue_stdin(args)
     if not args.kind:
         raise CLIError("missing job kind (or use --stdin)")
-    job = NewJob(args.kind, _json_arg(args.payload, "payload"), args.priority, args.max_attempts, args.delay,
-                 dedup_key=args.dedup_key, timeout_seconds=args.timeout)
+    try:
+        job = NewJob(args.kind, _json_arg(args.payload, "payload"), args.priority, args.max_attempts, args.delay,
+                     dedup_key=args.dedup_key, timeout_seconds=args.timeout, gpus=args.gpus,
+                     gpu_memory_mb=args.gpu_memory, labels=tuple(config.parse_list(args.labels, "--labels")),
+                     model=args.model, concurrency_key=args.concurrency_key)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
 
     print(_on_db(args, lambda conn: queue.enqueue_many(conn, [job]))[0])
     return 0
@@ -385,12 +397,16 @@ def _enqueue_stdin(args: argparse.Namespace) -> int:
         obj = _json_arg(line, f"stdin line {lineno}")
         if not isinstance(obj, dict) or "kind" not in obj:
             raise CLIError(f"stdin line {lineno}: expected an object with a \"kind\"")
-        unknown = set(obj) - {"kind", "payload", "priority", "max_attempts", "delay", "dedup_key", "timeout"}
+        unknown = set(obj) - {"kind", "payload", "priority", "max_attempts", "delay", "dedup_key", "timeout",
+                              "gpus", "gpu_memory_mb", "labels", "model", "concurrency_key"}
         if unknown:
             raise CLIError(f"stdin line {lineno}: unknown field(s) {', '.join(sorted(unknown))}")
         try:
             return NewJob(obj["kind"], obj.get("payload"), obj.get("priority", 0), obj.get("max_attempts", 5),
-                          obj.get("delay", 0.0), dedup_key=obj.get("dedup_key"), timeout_seconds=obj.get("timeout"))
+                          obj.get("delay", 0.0), dedup_key=obj.get("dedup_key"), timeout_seconds=obj.get("timeout"),
+                          gpus=obj.get("gpus", 0), gpu_memory_mb=obj.get("gpu_memory_mb"),
+                          labels=tuple(obj.get("labels", ())), model=obj.get("model"),
+                          concurrency_key=obj.get("concurrency_key"))
         except (ValueError, TypeError) as exc:
             raise CLIError(f"stdin line {lineno}: {exc}") from None
 
@@ -587,6 +603,9 @@ def render_status(body: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
              for r in rows]
+    for kind, shapes in sorted(body.get("server", {}).get("unplaceable", {}).items()):
+        for u in shapes:
+            lines.append(f"unplaceable: {kind}: {u['pending']} pending ({u['reason']})")
     for kind, p in sorted(body.get("paused", {}).items()):
         lines.append(f"paused: {kind} (by {p['by']} since {p['since']})")
     oldest = body["oldest_pending_seconds"]

@@ -37,12 +37,12 @@ from typing import Any
 
 import anyio
 
-from gpuq import db, logs, metrics, queue
+from gpuq import db, logs, metrics, placement, queue
 from gpuq.completer import Completer
 from gpuq.config import ServerConfig
 from gpuq.loops import RetryBackoff, run_every
 from gpuq.progress import ProgressWriter
-from gpuq.protocol import Device, Done, Failed, ProgressUpdate
+from gpuq.protocol import PLACEMENT_SINCE, Device, Done, Failed, ProgressUpdate
 from gpuq.protocol.server_side import ServerProtocol
 from gpuq.queue import Backoff
 from gpuq.sql import queries
@@ -61,6 +61,8 @@ STRAGGLER_POLL_SECONDS = 0.001
 REWIND_POLLS = 10
 # How often the dispatcher looks for a newer settled id (docs/design.md, "Lease cursors").
 SETTLE_SECONDS = 0.01
+# How often, at most, it reads gpuq.shapes for placement classes new since the last read.
+SHAPES_SECONDS = 0.05
 
 
 @dataclass(eq=False)
@@ -103,6 +105,21 @@ class AgentSession:
     def devices(self) -> tuple[Device, ...]:
         """The GPUs the agent offers (protocol 4; none before)."""
         return self.protocol.hello.devices if self.protocol.hello else ()
+
+    @property
+    def version(self) -> int:
+        return self.protocol.version
+
+    @property
+    def labels(self) -> frozenset[str]:
+        return frozenset(self.protocol.labels)
+
+    @property
+    def models(self) -> frozenset[str]:
+        return frozenset(self.protocol.models)
+
+    def free_devices(self, min_memory_mb: int = 0) -> list[int]:
+        return self.protocol.free_devices(min_memory_mb)
 
     @property
     def draining(self) -> bool:
@@ -152,6 +169,10 @@ class Dispatcher:
         self._settled = 0
         self._horizon: tuple[int, list[str]] | None = None
         self._settle_at = 0.0
+        # Placement (placement.py): the shapes enqueued so far, and those whose last lease came up short.
+        self._shapes: dict[tuple[str, str], queue.Shape] = {}
+        self._shapes_at, self._shapes_stale = -SHAPES_SECONDS, True
+        self._placed_empty: set[tuple[str, str]] = set()
 
     # -- agents ----------------------------------------------------------
 
@@ -306,9 +327,10 @@ class Dispatcher:
             with anyio.move_on_after(timeout) as scope:
                 await self._wake.wait()
             if scope.cancelled_caught:
-                if not self._poll_due():
+                if self._poll_due():
+                    self._notified_all = polled = True  # poll: look at every group
+                elif not self._shapes_due():  # else a pass reads the shapes a throttled one left unread
                     return  # only the mark to arm again, or stragglers to check
-                self._notified_all = polled = True  # poll: look at every group
         self._wake = anyio.Event()  # wakes during the pass trigger another pass
         if not self.stopping:
             await self._lease_pass(polled)
@@ -322,6 +344,8 @@ class Dispatcher:
         """
         if not self._any_free():
             return None  # only freed credit gives it something to do
+        if self._shapes_stale and self._placing():
+            return max(0.0, self._shapes_at + SHAPES_SECONDS - time.monotonic())
         if self._busy:
             return self.config.busy_poll_seconds  # work keeps coming: poll, producers need not notify
         if not self.listening:
@@ -357,7 +381,7 @@ class Dispatcher:
         self._notified_all = True
 
     def _any_free(self) -> bool:
-        return any(s.free for s in self.sessions.values())
+        return any(s.free or s.free_devices() for s in self.sessions.values())
 
     async def _lease_pass(self, polled: bool = False) -> None:
         if self._confirm:
@@ -390,6 +414,67 @@ class Dispatcher:
             elif kinds not in credit or kinds in self._empty:
                 continue
             await self._lease_group(kinds, members)
+        await self._lease_placed(notified_all, notified)
+
+    async def _lease_placed(self, everything: bool, notified: set[str]) -> None:
+        """Lease placed jobs shape by shape, each for the agents that fit it (placement.py).
+
+        A shape whose last lease came up short is not tried again until its
+        kind is notified or a poll comes, like a group in ``_empty``.
+        """
+        if not self._placing():
+            return
+        await self._refresh_shapes(everything or bool(notified))
+        if everything:
+            self._placed_empty.clear()
+        elif notified:
+            self._placed_empty = {key for key in self._placed_empty if key[0] not in notified}
+        for key, shape in list(self._shapes.items()):
+            while key not in self._placed_empty and not self.stopping:
+                slots = placement.slots(shape, self.sessions.values(), self.config.max_batch)
+                if not slots:
+                    break
+                with metrics.LEASE_SECONDS.time():
+                    jobs = await queue.lease_placed(self.pool, shape, slots, self.config.lease_seconds)
+                self._busy = self._busy or bool(jobs)
+                self._deliver(jobs)
+                if jobs:
+                    log.info("lease.placed", batch=len(jobs), requested=len(slots), kind=shape.kind,
+                             gpus=shape.gpus, model=shape.model, agents=len({j.leased_by for j in jobs}))
+                if len(jobs) < len(slots):
+                    self._placed_empty.add(key)
+
+    async def unplaceable(self) -> dict[str, list[dict[str, Any]]]:
+        """Pending placed jobs no connected agent could run, per kind, with the reason (for /status)."""
+        pending = await queue.placed_pending(self.pool)
+        if any(key not in self._shapes for key in pending):
+            self._shapes_stale = True
+            await self._refresh_shapes(True)
+        out: dict[str, list[dict[str, Any]]] = {}
+        for key, (n, oldest) in sorted(pending.items()):
+            shape = self._shapes.get(key)
+            if shape is None or (reason := placement.why_unplaceable(shape, list(self.sessions.values()))) is None:
+                continue
+            out.setdefault(shape.kind, []).append({
+                "pending": n, "since": oldest.isoformat(), "gpus": shape.gpus, "gpu_memory_mb": shape.gpu_memory_mb,
+                "labels": sorted(shape.labels), "model": shape.model, "reason": reason})
+        return out
+
+    def _placing(self) -> bool:
+        """Whether an agent that can take placed jobs is connected."""
+        return any(s.version >= PLACEMENT_SINCE for s in self.sessions.values())
+
+    def _shapes_due(self) -> bool:
+        """A pass read no shapes though asked to (throttled): the next read is due."""
+        return self._shapes_stale and self._placing() and time.monotonic() - self._shapes_at >= SHAPES_SECONDS
+
+    async def _refresh_shapes(self, wanted: bool) -> None:
+        """Read gpuq.shapes (a few rows) when a notification or poll asks, at most every SHAPES_SECONDS."""
+        now = time.monotonic()
+        self._shapes_stale = self._shapes_stale or wanted
+        if self._shapes_stale and now - self._shapes_at >= SHAPES_SECONDS:
+            self._shapes = {(s.kind, s.shape): s for s in await queue.shapes(self.pool)}
+            self._shapes_at, self._shapes_stale = now, False
 
     async def _lease_group(self, kinds: frozenset[str], members: list[AgentSession]) -> None:
         """Lease for one group until its credit is used or the queue has no more for it."""
@@ -486,7 +571,9 @@ class Dispatcher:
             if debug:
                 for j in batch:
                     log.debug("job.pushed", job_id=j.id, agent=sid, kind=j.kind, attempt=j.attempt)
-            session.protocol.send_jobs(batch)
+            if refused := session.protocol.send_jobs(batch):  # never: slots followed its free devices
+                log.error("job.no_devices", agent=sid, job_ids=[j.id for j in refused])
+                self.completer.release(j.id for j in refused)
             session.flush()
         metrics.INFLIGHT.set(sum(len(s.inflight) for s in self.sessions.values()))
 

@@ -36,9 +36,20 @@ async def enqueue(
     run_at: datetime | None = None,
     dedup_key: str | None = None,
     timeout: int | None = None,
+    gpus: int = 0,
+    gpu_memory_mb: int | None = None,
+    labels: Sequence[str] = (),
+    model: str | None = None,
+    concurrency_key: str | None = None,
 ) -> int:
-    """Enqueue one job and return its id (the live job's id if deduplicated)."""
-    job = NewJob(kind, payload, priority, max_attempts, delay, run_at, dedup_key, timeout)
+    """Enqueue one job and return its id (the live job's id if deduplicated).
+
+    Placement (all optional): ``gpus`` devices on one agent, each with at least
+    ``gpu_memory_mb``; an agent with every one of ``labels``; one holding
+    ``model`` warm if any fits; ``concurrency_key`` for global limits.
+    """
+    job = NewJob(kind, payload, priority, max_attempts, delay, run_at, dedup_key, timeout, gpus, gpu_memory_mb,
+                 tuple(labels), model, concurrency_key)
     return (await enqueue_many(db, [job]))[0]
 
 

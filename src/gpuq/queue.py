@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from gpuq.kinds import KIND_RULE, is_kind
 from gpuq.plans import lease_args
+from gpuq.protocol.describe import LABEL_RULE, MODEL_RULE, is_label, is_model
 from gpuq.sql import queries
 
 NOTIFY_CHANNEL = "gpuq_jobs"  # also in queries.sql (notify) and the trigger of migration 0001
@@ -44,6 +45,8 @@ class LeasedJob:
     # (protocol.job_message) and never decodes or re-encodes it.
     payload_json: str
     timeout_seconds: int | None = None  # this attempt's limit: the agent stops the handler then
+    gpus: int = 0  # placed jobs: devices to give it on its agent, each with at least gpu_memory_mb
+    gpu_memory_mb: int | None = None
 
     @property
     def payload(self) -> Any:
@@ -60,6 +63,18 @@ class NewJob:
     run_at: datetime | None = None
     dedup_key: str | None = None
     timeout_seconds: int | None = None  # how long one attempt may run (None: no limit)
+    # Placement (docs/design.md, "GPU placement"): all unset, any agent of the kind may run it.
+    gpus: int = 0  # devices it takes, on one agent
+    gpu_memory_mb: int | None = None  # the least memory of each of those devices
+    labels: tuple[str, ...] = ()  # labels the agent must have, all of them
+    model: str | None = None  # the model it would rather find warm
+    concurrency_key: str | None = None  # what global limits count it under
+
+    @property
+    def placed(self) -> bool:
+        """Whether it has a placement requirement (else any agent of its kind may take it)."""
+        return bool(self.gpus or self.gpu_memory_mb is not None or self.labels or self.model is not None
+                    or self.concurrency_key is not None)
 
     def __post_init__(self) -> None:
         # The same rules as the table's CHECK constraints, as readable errors.
@@ -73,6 +88,7 @@ class NewJob:
             raise ValueError(f"delay must not be negative, not {self.delay_seconds}")
         if self.timeout_seconds is not None and self.timeout_seconds < 1:
             raise ValueError(f"timeout must be at least 1 second, not {self.timeout_seconds}")
+        check_placement(self.gpus, self.gpu_memory_mb, self.labels, self.model, self.concurrency_key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,12 +107,34 @@ class Backoff:
 # Rows arrive as parallel arrays: one round trip, one statement, one NOTIFY.
 # run_at is the given time, else now() + delay; a row whose run_at is in the
 # future starts 'scheduled' and the sweeper promotes it when due.
-def _columns(jobs: Sequence[NewJob]) -> tuple[list[Any], ...]:
-    return (
+def check_placement(gpus: int, gpu_memory_mb: int | None, labels: Sequence[str], model: str | None,
+                    concurrency_key: str | None) -> None:
+    """The table's placement CHECKs, as readable errors before the insert (``ValueError``)."""
+    if isinstance(labels, str):
+        raise ValueError(f"labels must be a list of labels, not the string {labels!r}")
+    if not 0 <= gpus <= 64:
+        raise ValueError(f"gpus must be 0-64, not {gpus}")
+    if gpu_memory_mb is not None and (gpu_memory_mb < 1 or gpus < 1):
+        raise ValueError("gpu_memory_mb must be a positive number of MiB, and needs gpus of at least 1")
+    if len(labels) > 16 or not all(is_label(x) for x in labels):
+        raise ValueError(f"labels must be at most 16 of: {LABEL_RULE}")
+    if model is not None and not is_model(model):
+        raise ValueError(f"bad model name {model!r}: {MODEL_RULE}")
+    if concurrency_key is not None and not 1 <= len(concurrency_key) <= 256:
+        raise ValueError("concurrency_key must be 1-256 characters")
+
+
+def _columns(jobs: Sequence[NewJob]) -> tuple[list[Any] | None, ...]:
+    plain = (
         [j.kind for j in jobs], [_json(j.payload) for j in jobs], [j.priority for j in jobs],
         [j.max_attempts for j in jobs], [j.run_at for j in jobs],
         [float(j.delay_seconds) for j in jobs], [j.dedup_key for j in jobs], [j.timeout_seconds for j in jobs],
     )
+    if not any(j.placed for j in jobs):
+        return (*plain, None, None, None, None, None)  # NULL arrays: unnest pads them with NULLs
+    return (*plain, [j.gpus for j in jobs], [j.gpu_memory_mb for j in jobs],
+            [",".join(j.labels) if j.labels else None for j in jobs], [j.model for j in jobs],
+            [j.concurrency_key for j in jobs])
 
 
 async def enqueue_many(db: DB, jobs: Sequence[NewJob]) -> list[int]:
@@ -219,6 +257,41 @@ async def lease_slots(db: DB, kinds: Sequence[str], slots: Sequence[str], lease_
 
 
 _BY_SLOT = operator.itemgetter("slot")
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """A placement class: what every job of ``kind`` with this ``shape`` needs (gpuq.shapes)."""
+
+    kind: str
+    shape: str
+    gpus: int
+    gpu_memory_mb: int | None
+    labels: frozenset[str]
+    model: str | None
+    keyed: bool
+
+
+async def shapes(db: DB) -> list[Shape]:
+    return [Shape(r["kind"], r["shape"], r["gpus"], r["gpu_memory_mb"], frozenset(r["labels"]), r["model"],
+                  r["keyed"]) for r in await db.fetch(queries["shapes"])]
+
+
+async def lease_placed(db: DB, shape: Shape, slots: Sequence[str], lease_seconds: float) -> list[LeasedJob]:
+    """Lease up to ``len(slots)`` pending jobs of one kind and shape, by priority then id (jobs_placed_idx);
+    the i-th goes to ``slots[i]``. The caller chose agents that meet the shape's requirements."""
+    if not slots:
+        return []
+    rows = await db.fetch(queries["lease_placed"], shape.kind, shape.shape, list(slots), lease_seconds)
+    rows = sorted(rows, key=_BY_SLOT)
+    return [LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
+                      r["leased_by"], r["payload_json"], r["timeout_seconds"], shape.gpus, shape.gpu_memory_mb)
+            for r in rows]
+
+
+async def placed_pending(db: DB) -> dict[tuple[str, str], tuple[int, datetime]]:
+    """(kind, shape) -> (pending jobs, the oldest's creation) of placed jobs."""
+    return {(r["kind"], r["shape"]): (r["n"], r["oldest"]) for r in await db.fetch(queries["placed_pending"])}
 
 
 def _leased(r: Any) -> LeasedJob:

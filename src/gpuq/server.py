@@ -134,6 +134,7 @@ class AgentServer:
         counts = await queue.status_counts(self.d.pool)
         body = counts.as_dict()
         body["agents"] = [self._agent_status(s) for s in self.d.sessions.values()]
+        body["unplaceable"] = await self.d.unplaceable()
         body["agents_connected"] = len(self.d.sessions)
         return body
 

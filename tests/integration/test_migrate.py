@@ -17,8 +17,10 @@ async def test_fresh_apply_creates_schema_and_partial_indexes(server_dsn):
             r["indexname"]: r["indexdef"]
             for r in await conn.fetch("SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'gpuq'")
         }
-        assert "WHERE (status = 'pending'" in indexes["jobs_pending_idx"]
+        assert "WHERE ((status = 'pending'::job_status) AND (shape IS NULL))" in indexes["jobs_pending_idx"]  # 0012
         assert "(kind, ((- priority)), id)" in indexes["jobs_pending_idx"]  # migration 0004
+        assert "(kind, shape, priority DESC, id) WHERE ((status = 'pending'::job_status) AND (shape IS NOT NULL))" \
+            in indexes["jobs_placed_idx"]
         assert "WHERE (status = 'leased'" in indexes["jobs_leased_idx"]
         assert "WHERE (status = 'scheduled'" in indexes["jobs_scheduled_idx"]
         assert await pending_migrations(conn) == []

@@ -2,9 +2,15 @@
 
 import json
 
+import anyio
+import asyncpg
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuq.harness import http_get, running_server
+from gpuq import queue
+from gpuq.agent import run_process
+from gpuq.harness import http_get, next_of, raw_agent, running_server
+from gpuq.producer import enqueue
 from gpuq.protocol import Device
 from tests.helpers import wait_for
 
@@ -50,8 +56,6 @@ async def test_without_devices_given_the_agent_asks_nvml(dsn):
 
 
 async def test_device_usage_from_heartbeats_shows_in_status_and_metrics(dsn):
-    from gpuq.harness import raw_agent
-
     async with running_server(dsn, poll_seconds=60) as srv:
         ws, welcome = await raw_agent(srv, protocol=4, labels=[], models=[],
                                       devices=[{"index": 3, "name": "a10", "memory_mb": 24576}])
@@ -70,3 +74,143 @@ async def test_device_usage_from_heartbeats_shows_in_status_and_metrics(dsn):
         assert samples[("gpuq_agent_device_utilization_ratio", "3")] == 0.87
         assert samples[("gpuq_agent_device_memory_used_bytes", "3")] == 20000 << 20
         await ws.close()
+
+
+# -- jobs state what they need ------------------------------------------------
+
+A10 = [Device(0, "a10", 24576)]
+
+
+@pytest.mark.parametrize("values", [
+    {"gpus": -1}, {"gpus": 65}, {"gpu_memory_mb": 1000}, {"gpus": 1, "gpu_memory_mb": 0},
+    {"labels": ("has space",)}, {"labels": "gpu=h100"}, {"model": "bad model"}, {"concurrency_key": ""},
+])
+def test_a_bad_requirement_is_a_clear_error_before_the_insert(values):
+    with pytest.raises(ValueError):
+        queue.NewJob("train", **values)
+
+
+@pytest.mark.parametrize("columns", [
+    "gpus => -1", "gpu_memory_mb => 4096", "labels => '{\"has space\"}'", "labels => '{NULL}'",
+    "model => ''", "concurrency_key => ''", "shape => 'forged'",
+])
+async def test_plain_sql_with_a_bad_requirement_fails_the_insert(conn, columns):
+    column, value = columns.split(" => ")
+    with pytest.raises(asyncpg.CheckViolationError):
+        await conn.execute(f"INSERT INTO gpuq.jobs (kind, {column}) VALUES ('train', {value})")  # noqa: S608 - test constants
+
+
+async def test_the_shape_follows_the_requirements_through_sql_updates(conn):
+    job_id = await conn.fetchval("INSERT INTO gpuq.jobs (kind, gpus, labels) VALUES ('train', 2, '{b,a}') "
+                                 "RETURNING id")
+    [shape] = await queue.shapes(conn)
+    assert (shape.gpus, shape.labels) == (2, frozenset({"a", "b"}))
+    assert await conn.fetchval("SELECT shape FROM gpuq.jobs WHERE id = $1", job_id) == shape.shape
+    # The same needs in another order are the same shape; none left is a plain job.
+    other = await conn.fetchval("INSERT INTO gpuq.jobs (kind, gpus, labels) VALUES ('train', 2, '{a,b}') "
+                                "RETURNING shape")
+    assert other == shape.shape
+    await conn.execute("UPDATE gpuq.jobs SET gpus = 0, labels = '{}' WHERE id = $1", job_id)
+    assert await conn.fetchval("SELECT shape FROM gpuq.jobs WHERE id = $1", job_id) is None
+
+
+# -- placement through the real dispatcher ------------------------------------
+
+
+def recorder(name: str, runs: list, release: anyio.Event | None = None):
+    async def handler(job):
+        runs.append((name, job.id, job.devices))
+        if release is not None:
+            await release.wait()
+        out = await run_process("sh", "-c", "echo $CUDA_VISIBLE_DEVICES", devices=job.devices)
+        return out.stdout.decode().strip()
+    return handler
+
+
+async def test_gpu_jobs_get_their_own_devices_on_an_agent_that_fits(dsn, live_conn):
+    runs: list = []
+    release = anyio.Event()
+    async with running_server(dsn, poll_seconds=60) as srv:
+        await srv.agent(["train"], 1, recorder("h100", runs, release), "h100-box", devices=H100S,
+                        labels=["gpu=h100"])
+        await srv.agent(["train"], 1, recorder("a10", runs, release), "a10-box", devices=A10, labels=["gpu=a10"])
+        two = await enqueue(live_conn, "train", gpus=2, gpu_memory_mb=40000)
+        a10 = await enqueue(live_conn, "train", gpus=1, labels=["gpu=a10"])
+        waiting = await enqueue(live_conn, "train", gpus=1, gpu_memory_mb=40000)  # the h100s are taken
+
+        async def started() -> bool:
+            return len(runs) == 2
+
+        await wait_for(started)
+        await anyio.sleep(0.2)
+        assert sorted(runs) == [("a10", a10, (0,)), ("h100", two, (0, 1))]
+        assert await live_conn.fetchval("SELECT status::text FROM gpuq.jobs WHERE id = $1", waiting) == "pending"
+        release.set()
+
+        async def all_done() -> bool:
+            return await live_conn.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'done'") == 3
+
+        await wait_for(all_done)
+    assert ("h100", waiting, (0,)) in runs
+    results = dict(await live_conn.fetch("SELECT id, result #>> '{}' FROM gpuq.jobs"))
+    assert results == {two: "0,1", a10: "0", waiting: "0"}  # CUDA_VISIBLE_DEVICES, from run_process
+
+
+async def test_unplaceable_jobs_wait_reported_and_hold_back_nothing(dsn, live_conn):
+    runs: list = []
+    async with running_server(dsn, poll_seconds=60) as srv:
+        await srv.agent(["train"], 2, recorder("h100", runs), "h100-box", devices=H100S, labels=["gpu=h100"])
+        old, _ = await raw_agent(srv, kinds=("embed",), capacity=2)  # protocol 1: plain jobs only
+        stuck = [await enqueue(live_conn, "train", priority=9, gpus=1, labels=["gpu=b200"]) for _ in range(3)]
+        gpu_embed = await enqueue(live_conn, "embed", priority=9, gpus=1)
+        plain = [await enqueue(live_conn, "train") for _ in range(2)]
+        placed = await enqueue(live_conn, "train", gpus=1)
+        plain_embed = await enqueue(live_conn, "embed")
+
+        pushed = (await next_of(old, "jobs"))["jobs"]
+        assert [j["id"] for j in pushed] == [plain_embed] and "devices" not in pushed[0]
+
+        async def ran() -> bool:
+            return len(runs) == 3
+
+        await wait_for(ran)
+        assert sorted(r[1] for r in runs) == sorted([*plain, placed])
+        body = await status(srv)
+        assert body["unplaceable"]["train"] == [{
+            "pending": 3, "since": body["unplaceable"]["train"][0]["since"], "gpus": 1, "gpu_memory_mb": None,
+            "labels": ["gpu=b200"], "model": None,
+            "reason": "no agent taking train has the labels gpu=b200"}]
+        [embed] = body["unplaceable"]["embed"]
+        assert embed["pending"] == 1 and "protocol 4" in embed["reason"]
+        await old.close()
+    states = await live_conn.fetch("SELECT status::text FROM gpuq.jobs WHERE id = ANY($1)", [*stuck, gpu_embed])
+    assert {s[0] for s in states} == {"pending"}
+
+
+async def test_a_job_goes_where_its_model_is_warm(dsn, live_conn):
+    runs: list = []
+    async with running_server(dsn, poll_seconds=60) as srv:
+        cold = await srv.agent(["train"], 1, recorder("cold", runs), "cold", devices=H100S[:1])
+        await srv.agent(["train"], 1, recorder("warm", runs), "warm", devices=H100S[:1], models=["llama"])
+        for n in range(1, 4):  # one at a time: both agents are free each time
+            await enqueue(live_conn, "train", gpus=1, model="llama")
+
+            async def ran(n=n) -> bool:
+                return len(runs) == n and await live_conn.fetchval(
+                    "SELECT count(*) FROM gpuq.jobs WHERE status = 'done'") == n
+
+            await wait_for(ran)
+        assert [r[0] for r in runs] == ["warm"] * 3
+        cold.set_models(["sdxl"])
+        await wait_for(lambda: _models_are(srv, ["sdxl"]))
+        await enqueue(live_conn, "train", gpus=1, model="sdxl")
+
+        async def fourth() -> bool:
+            return len(runs) == 4
+
+        await wait_for(fourth)
+        assert runs[-1][0] == "cold"
+
+
+async def _models_are(srv, models) -> bool:
+    return any(a["models"] == models for a in (await status(srv))["agents"])

@@ -41,7 +41,8 @@ SELECT count(*) FROM gpuq.jobs WHERE status = 'done';
 
 -- name: count_live
 -- Jobs pending, leased or scheduled, each state from its partial index.
-SELECT (SELECT count(*) FROM gpuq.jobs WHERE status = 'pending')
+SELECT (SELECT count(*) FROM gpuq.jobs WHERE status = 'pending' AND shape IS NULL)
+     + (SELECT count(*) FROM gpuq.jobs WHERE status = 'pending' AND shape IS NOT NULL)
      + (SELECT count(*) FROM gpuq.jobs WHERE status = 'leased')
      + (SELECT count(*) FROM gpuq.jobs WHERE status = 'scheduled');
 
@@ -54,7 +55,8 @@ FROM gpuq.jobs WHERE status IN ('pending', 'leased', 'scheduled');
 
 -- name: any_live
 -- Whether any job is live: polled while agents work, so it must cost next to nothing.
-SELECT EXISTS (SELECT 1 FROM gpuq.jobs WHERE status = 'pending')
+SELECT EXISTS (SELECT 1 FROM gpuq.jobs WHERE status = 'pending' AND shape IS NULL)
+    OR EXISTS (SELECT 1 FROM gpuq.jobs WHERE status = 'pending' AND shape IS NOT NULL)
     OR EXISTS (SELECT 1 FROM gpuq.jobs WHERE status = 'leased')
     OR EXISTS (SELECT 1 FROM gpuq.jobs WHERE status = 'scheduled');
 

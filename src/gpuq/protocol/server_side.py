@@ -12,8 +12,10 @@ connection lives here:
   to ``max_errors``; a fatal one closes (1003 for a binary frame, else 4000);
 - at most ``max_messages_per_second`` frames per second, averaged over
   ``burst_seconds``, else 4008;
-- credit: ``capacity`` minus the jobs held, none while draining; an outcome
-  whose token matches a held job frees its credit;
+- credit: ``capacity`` minus the jobs held without devices, none while
+  draining; a job pushed with devices takes those devices instead (version
+  4: ``free_devices``); an outcome whose token matches a held job frees its
+  credit or its devices;
 - a heartbeat only for jobs this connection holds (``not_held``);
 - the connection speaks the agent's version (1 to 3); ``cancel`` messages go
   only to agents of version 2 or later and only name jobs the connection holds;
@@ -162,6 +164,7 @@ class ServerProtocol:
         self.labels: tuple[str, ...] = ()  # version 4: the hello's, then each update's
         self.models: tuple[str, ...] = ()
         self.usage: dict[int, DeviceUsage] = {}  # device index -> its last reported usage
+        self.devices_in_use: dict[int, tuple[int, ...]] = {}  # job id -> the devices it was pushed with
         self._bucket = TokenBucket(max_messages_per_second, RATE_BURST_SECONDS, now)
         self._out: list[str] = []
         self._close: tuple[CloseCode, str] | None = None
@@ -174,10 +177,18 @@ class ServerProtocol:
 
     @property
     def free(self) -> int:
-        """Jobs this connection may be given now."""
+        """Jobs without devices this connection may be given now."""
         if self.draining or self.state is not State.OPEN:
             return 0
-        return max(0, self.capacity - len(self.held))
+        return max(0, self.capacity - (len(self.held) - len(self.devices_in_use)))
+
+    def free_devices(self, min_memory_mb: int = 0) -> list[int]:
+        """Indices of the devices no held job was given, with at least ``min_memory_mb`` (none while
+        draining)."""
+        if self.hello is None or self.draining or self.state is not State.OPEN:
+            return []
+        used = {i for given in self.devices_in_use.values() for i in given}
+        return [d.index for d in self.hello.devices if d.index not in used and d.memory_mb >= min_memory_mb]
 
     # -- input ---------------------------------------------------------------
 
@@ -240,6 +251,7 @@ class ServerProtocol:
             entry = held.get(msg.id)
             if entry is not None and entry[0] == msg.lease_token:
                 del held[msg.id]
+                self.devices_in_use.pop(msg.id, None)
                 freed += 1
                 items.append((msg, entry[1]))
             else:
@@ -294,13 +306,25 @@ class ServerProtocol:
     def accept(self, welcome: Welcome) -> None:
         self._out.append(encode(welcome))
 
-    def send_jobs(self, jobs: list[Any]) -> None:
-        """Push leased jobs (``PushedJob``s): they are held, and take credit, until their outcome."""
-        held = self.held
+    def send_jobs(self, jobs: list[Any]) -> list[Any]:
+        """Push leased jobs (``PushedJob``s): they are held, and take credit, until their outcome. A job
+        with ``gpus`` is given that many free devices of at least its ``gpu_memory_mb``; the jobs
+        returned did not find them (the caller gives them back) and were not pushed."""
+        held, pushed, refused = self.held, [], []
         for j in jobs:
+            devices: tuple[int, ...] = ()
+            if gpus := getattr(j, "gpus", 0):
+                free = self.free_devices(j.gpu_memory_mb or 0)
+                if len(free) < gpus:
+                    refused.append(j)
+                    continue
+                devices = self.devices_in_use[j.id] = tuple(free[:gpus])
             held[j.id] = (j.lease_token, j.kind)
-        self._out.append(jobs_frame([job_message(j.id, j.lease_token, j.kind, j.payload_json, j.attempt,
-                                                 getattr(j, "timeout_seconds", None)) for j in jobs]))
+            pushed.append(job_message(j.id, j.lease_token, j.kind, j.payload_json, j.attempt,
+                                      getattr(j, "timeout_seconds", None), devices))
+        if pushed:
+            self._out.append(jobs_frame(pushed))
+        return refused
 
     def send_ack(self, accepted: tuple[int, ...], rejected: tuple[int, ...]) -> None:
         self._out.append(encode(Ack(accepted, rejected)))

@@ -14,16 +14,21 @@
 -- * Locked rows are updated by ctid: no primary-key descent per row.
 
 -- name: enqueue_plain
--- Insert jobs from parallel arrays, in input order; returns their ids in that order.
-INSERT INTO gpuq.jobs (kind, payload, priority, max_attempts, run_at, status, timeout_seconds)
+-- Insert jobs from parallel arrays, in input order (placement arrays $9-$13 NULL: none); returns their ids in that order.
+INSERT INTO gpuq.jobs (kind, payload, priority, max_attempts, run_at, status, timeout_seconds,
+                       gpus, gpu_memory_mb, labels, model, concurrency_key)
 SELECT kind, payload, priority, max_attempts, run_at,
-       CASE WHEN run_at > now() THEN 'scheduled'::gpuq.job_status ELSE 'pending' END, timeout_seconds
+       CASE WHEN run_at > now() THEN 'scheduled'::gpuq.job_status ELSE 'pending' END, timeout_seconds,
+       coalesce(gpus, 0), gpu_memory_mb, coalesce(string_to_array(labels, ','), '{}'), model, concurrency_key
 FROM (
     SELECT kind, coalesce(payload::jsonb, '{}'::jsonb) AS payload, priority, max_attempts,
-           coalesce(run_at, now() + make_interval(secs => delay)) AS run_at, timeout_seconds, ord
+           coalesce(run_at, now() + make_interval(secs => delay)) AS run_at, timeout_seconds,
+           gpus, gpu_memory_mb, labels, model, concurrency_key, ord
     FROM unnest($1::text[], $2::text[], $3::smallint[], $4::int[], $5::timestamptz[],
-                $6::float8[], $7::text[], $8::int[])
-        WITH ORDINALITY AS t(kind, payload, priority, max_attempts, run_at, delay, dedup_key, timeout_seconds, ord)
+                $6::float8[], $7::text[], $8::int[], $9::smallint[], $10::int[], $11::text[], $12::text[],
+                $13::text[])
+        WITH ORDINALITY AS t(kind, payload, priority, max_attempts, run_at, delay, dedup_key, timeout_seconds,
+                             gpus, gpu_memory_mb, labels, model, concurrency_key, ord)
 ) AS input
 ORDER BY ord
 RETURNING id;
@@ -32,15 +37,20 @@ RETURNING id;
 -- Insert jobs with distinct dedup keys; a key with a live job gets that job's id (NULL if it committed after our snapshot).
 WITH input AS (
     SELECT kind, coalesce(payload::jsonb, '{}'::jsonb) AS payload, priority, max_attempts,
-           coalesce(run_at, now() + make_interval(secs => delay)) AS run_at, dedup_key, timeout_seconds, ord
+           coalesce(run_at, now() + make_interval(secs => delay)) AS run_at, dedup_key, timeout_seconds,
+           gpus, gpu_memory_mb, labels, model, concurrency_key, ord
     FROM unnest($1::text[], $2::text[], $3::smallint[], $4::int[], $5::timestamptz[],
-                $6::float8[], $7::text[], $8::int[])
-        WITH ORDINALITY AS t(kind, payload, priority, max_attempts, run_at, delay, dedup_key, timeout_seconds, ord)
+                $6::float8[], $7::text[], $8::int[], $9::smallint[], $10::int[], $11::text[], $12::text[],
+                $13::text[])
+        WITH ORDINALITY AS t(kind, payload, priority, max_attempts, run_at, delay, dedup_key, timeout_seconds,
+                             gpus, gpu_memory_mb, labels, model, concurrency_key, ord)
 ), ins AS (
-    INSERT INTO gpuq.jobs (kind, payload, priority, max_attempts, run_at, status, dedup_key, timeout_seconds)
+    INSERT INTO gpuq.jobs (kind, payload, priority, max_attempts, run_at, status, dedup_key, timeout_seconds,
+                           gpus, gpu_memory_mb, labels, model, concurrency_key)
     SELECT kind, payload, priority, max_attempts, run_at,
            CASE WHEN run_at > now() THEN 'scheduled'::gpuq.job_status ELSE 'pending' END, dedup_key,
-           timeout_seconds
+           timeout_seconds, coalesce(gpus, 0), gpu_memory_mb, coalesce(string_to_array(labels, ','), '{}'),
+           model, concurrency_key
     FROM input ORDER BY ord
     ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL AND status IN ('pending', 'leased', 'scheduled')
     DO NOTHING
@@ -54,7 +64,7 @@ LEFT JOIN gpuq.jobs live ON ins.id IS NULL AND live.dedup_key = input.dedup_key
 ORDER BY input.ord;
 
 -- name: lease_slots
--- Lease up to $2 jobs of kinds $1 (not paused), pending first (phase 1, each kind from its cursor: rank $5, id $6) then expired leases (phase 2); the i-th goes to slot $3[i].
+-- Lease up to $2 plain jobs of kinds $1 (not paused), pending first (phase 1, each kind from its cursor: rank $5, id $6) then expired leases (phase 2); the i-th goes to slot $3[i].
 WITH leasable AS (  -- the kinds asked for that are not paused, with their default timeout
     SELECT u.kind, u.after_rank, u.after_id, t.timeout_seconds AS default_timeout
     FROM unnest($1::text[], $5::int[], $6::bigint[]) AS u(kind, after_rank, after_id)
@@ -68,7 +78,7 @@ WITH leasable AS (  -- the kinds asked for that are not paused, with their defau
         -- kind <= k.kind with the row comparison, never kind = k.kind: given an
         -- equality, the B-tree starts at the kind's first entry and reads every
         -- leaf page behind the cursor (docs/design.md, "Lease cursors").
-        WHERE status = 'pending' AND kind <= k.kind
+        WHERE status = 'pending' AND shape IS NULL AND kind <= k.kind
           AND (kind, -priority, id) > (k.kind, k.after_rank, k.after_id)
         ORDER BY kind, -priority, id
         LIMIT $2
@@ -82,6 +92,7 @@ WITH leasable AS (  -- the kinds asked for that are not paused, with their defau
     FROM (
         SELECT ctid, id, kind, lease_expires_at FROM gpuq.jobs
         WHERE status = 'leased' AND lease_expires_at < now() AND kind = ANY(ARRAY(SELECT kind FROM leasable))
+          AND shape IS NULL  -- a placed job's expired lease goes back to pending (the sweeper)
         ORDER BY lease_expires_at
         LIMIT greatest($2 - (SELECT count(*) FROM picked), 0)
         FOR UPDATE SKIP LOCKED
@@ -107,6 +118,42 @@ WHERE j.ctid = a.ctid
 RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token,
           j.priority, j.leased_by, j.payload::text AS payload_json, j.status, a.phase, a.slot,
           coalesce(j.timeout_seconds, a.default_timeout) AS timeout_seconds;
+
+-- name: lease_placed
+-- Lease up to cardinality($3) pending jobs of kind $1 (not paused) and placement shape $2, by priority and id; the i-th goes to slot $3[i].
+WITH leasable AS (
+    SELECT (SELECT t.timeout_seconds FROM gpuq.kind_timeouts t WHERE t.kind = $1) AS default_timeout
+    WHERE NOT EXISTS (SELECT 1 FROM gpuq.paused_kinds p WHERE p.kind = $1)
+), picked AS (
+    SELECT c.ctid, row_number() OVER (ORDER BY c.priority DESC, c.id) AS rn
+    FROM (
+        SELECT ctid, id, priority FROM gpuq.jobs
+        WHERE status = 'pending' AND shape IS NOT NULL AND kind = $1 AND shape = $2
+          AND EXISTS (SELECT 1 FROM leasable)
+        ORDER BY priority DESC, id
+        LIMIT cardinality($3::text[])
+        FOR UPDATE SKIP LOCKED
+    ) c
+)
+UPDATE gpuq.jobs j
+SET status = 'leased', attempts = j.attempts + 1, lease_token = gen_random_uuid(), leased_by = s.agent,
+    lease_expires_at = now() + make_interval(secs => $4), started_at = now(),
+    deadline_at = now() + make_interval(secs => coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)))
+FROM picked p
+JOIN unnest($3::text[]) WITH ORDINALITY AS s(agent, slot) ON s.slot = p.rn
+WHERE j.ctid = p.ctid
+RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token, j.priority, j.leased_by,
+          j.payload::text AS payload_json, s.slot,
+          coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds;
+
+-- name: shapes
+-- Every placement shape enqueued so far, with what its jobs need (a handful of rows).
+SELECT kind, shape, gpus, gpu_memory_mb, labels, model, keyed FROM gpuq.shapes;
+
+-- name: placed_pending
+-- Pending placed jobs per kind and shape (jobs_placed_idx: live rows only).
+SELECT kind, shape, count(*) AS n, min(created_at) AS oldest
+FROM gpuq.jobs WHERE status = 'pending' AND shape IS NOT NULL GROUP BY kind, shape;
 
 -- name: complete_many
 -- Mark jobs done where (id, lease_token) still holds the lease, and tell waiters (gpuq_outcomes); returns the ids accepted.
@@ -371,8 +418,12 @@ SELECT min(id) FROM gpuq.jobs;
 
 -- name: status_counts
 -- Live counts and the oldest row per state and kind, each branch from its own partial index.
-SELECT 'pending' AS status, kind, count(*) AS n, min(created_at) AS oldest
-  FROM gpuq.jobs WHERE status = 'pending' GROUP BY kind
+SELECT 'pending' AS status, kind, sum(n)::bigint AS n, min(oldest) AS oldest FROM (
+    SELECT kind, count(*) AS n, min(created_at) AS oldest
+      FROM gpuq.jobs WHERE status = 'pending' AND shape IS NULL GROUP BY kind
+    UNION ALL
+    SELECT kind, count(*), min(created_at) FROM gpuq.jobs WHERE status = 'pending' AND shape IS NOT NULL GROUP BY kind
+) AS pending GROUP BY kind
 UNION ALL
 SELECT 'leased', kind, count(*), min(started_at) FROM gpuq.jobs WHERE status = 'leased' GROUP BY kind
 UNION ALL

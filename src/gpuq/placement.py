@@ -1,0 +1,91 @@
+"""Placement rules: which connected agents may run a shape's jobs, in what order, and why none can.
+
+Pure functions over ``queue.Shape`` and what agents said in their hello
+(``Candidate``: the dispatcher's sessions). The rules (docs/design.md, "GPU
+placement"):
+
+- hard requirements are never bent: the kind, protocol 4 (an older agent
+  cannot say what it has, so it gets plain jobs only), every label, and
+  ``gpus`` free devices with at least ``gpu_memory_mb`` each, on one agent;
+- a job without GPUs takes the agent's plain credit (``capacity``); one with
+  GPUs takes devices, one job per device;
+- among agents that fit, those holding the job's model warm come first;
+  the rest are taken round-robin.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from gpuq.protocol import PLACEMENT_SINCE, Device
+from gpuq.queue import Shape
+
+
+class Candidate(Protocol):
+    """What placement reads of a connected agent (``dispatcher.AgentSession``)."""
+
+    id: str
+    kinds: frozenset[str]
+
+    @property
+    def version(self) -> int: ...
+    @property
+    def draining(self) -> bool: ...
+    @property
+    def labels(self) -> frozenset[str]: ...
+    @property
+    def models(self) -> frozenset[str]: ...
+    @property
+    def devices(self) -> tuple[Device, ...]: ...
+    @property
+    def free(self) -> int: ...
+    def free_devices(self, min_memory_mb: int) -> list[int]: ...
+
+
+def could_run(shape: Shape, agent: Candidate) -> bool:
+    """Whether ``agent`` meets every hard requirement of ``shape``, free devices or not."""
+    if agent.version < PLACEMENT_SINCE or shape.kind not in agent.kinds or not shape.labels <= agent.labels:
+        return False
+    return shape.gpus <= sum(d.memory_mb >= (shape.gpu_memory_mb or 0) for d in agent.devices)
+
+
+def room(shape: Shape, agent: Candidate) -> int:
+    """How many of ``shape``'s jobs ``agent`` can start now."""
+    if agent.draining or not could_run(shape, agent):
+        return 0
+    if shape.gpus == 0:
+        return agent.free
+    return len(agent.free_devices(shape.gpu_memory_mb or 0)) // shape.gpus
+
+
+def slots(shape: Shape, agents: Iterable[Candidate], limit: int) -> list[str]:
+    """Agent ids, one per job to lease now, at most ``limit``: warm agents first, each round-robin."""
+    warm: list[list[str]] = []
+    cold: list[list[str]] = []
+    for agent in agents:
+        if n := room(shape, agent):
+            (warm if shape.model is not None and shape.model in agent.models else cold).append([agent.id] * n)
+    return (_round_robin(warm) + _round_robin(cold))[:limit]
+
+
+def _round_robin(columns: Sequence[list[str]]) -> list[str]:
+    return [sid for row in itertools.zip_longest(*columns) for sid in row if sid is not None]
+
+
+def why_unplaceable(shape: Shape, agents: Sequence[Candidate]) -> str | None:
+    """Why no connected agent could ever run ``shape``'s jobs (None: one could)."""
+    if any(could_run(shape, a) for a in agents):
+        return None
+    takers = [a for a in agents if shape.kind in a.kinds]
+    if not takers:
+        return f"no connected agent takes kind {shape.kind}"
+    takers = [a for a in takers if a.version >= PLACEMENT_SINCE]
+    if not takers:
+        return f"no agent taking {shape.kind} speaks protocol {PLACEMENT_SINCE} (older agents get plain jobs only)"
+    labelled = [a for a in takers if shape.labels <= a.labels]
+    if not labelled:
+        return f"no agent taking {shape.kind} has the labels {', '.join(sorted(shape.labels))}"
+    memory = f" of at least {shape.gpu_memory_mb} MiB" if shape.gpu_memory_mb else ""
+    return f"no agent taking {shape.kind} with those labels has {shape.gpus} GPUs{memory}"

@@ -1,0 +1,76 @@
+"""placement.py: which agents may run a shape's jobs, in what order, and why none can."""
+
+from dataclasses import dataclass, field
+
+from gpuq import placement
+from gpuq.protocol import Device
+from gpuq.queue import Shape
+
+
+@dataclass
+class Box:
+    """A connected agent as placement sees it."""
+
+    id: str
+    kinds: frozenset[str] = frozenset({"train"})
+    version: int = 4
+    draining: bool = False
+    labels: frozenset[str] = frozenset()
+    models: frozenset[str] = frozenset()
+    devices: tuple[Device, ...] = ()
+    free: int = 1
+    used: set[int] = field(default_factory=set)
+
+    def free_devices(self, min_memory_mb: int) -> list[int]:
+        return [d.index for d in self.devices if d.index not in self.used and d.memory_mb >= min_memory_mb]
+
+
+def gpus(n: int, memory_mb: int = 81920) -> tuple[Device, ...]:
+    return tuple(Device(i, "gpu", memory_mb) for i in range(n))
+
+
+def shape(gpus: int = 0, memory: int | None = None, labels: tuple[str, ...] = (), model: str | None = None,
+          kind: str = "train") -> Shape:
+    return Shape(kind, "s", gpus, memory, frozenset(labels), model, False)
+
+
+def test_hard_requirements_decide_who_could_run_it():
+    big = Box("big", labels=frozenset({"gpu=h100"}), devices=gpus(4))
+    small = Box("small", labels=frozenset({"gpu=a10"}), devices=gpus(1, 24576))
+    old = Box("old", version=3, devices=gpus(8))
+    assert placement.could_run(shape(2, 40000, ("gpu=h100",)), big)
+    assert not placement.could_run(shape(2, 40000, ("gpu=h100",)), small)
+    assert not placement.could_run(shape(1, 40000), small)  # too little memory
+    assert placement.could_run(shape(1, 20000), small)
+    assert not placement.could_run(shape(5), big)  # more devices than it has
+    assert not placement.could_run(shape(1), old)  # cannot say what it has
+    assert not placement.could_run(shape(1, kind="embed"), big)
+
+
+def test_room_counts_free_devices_per_job_and_plain_credit_for_cpu_jobs():
+    box = Box("b", devices=gpus(4), free=3, used={1})
+    assert placement.room(shape(1), box) == 3
+    assert placement.room(shape(2), box) == 1  # three free devices hold one 2-GPU job
+    assert placement.room(shape(0, labels=("x",)), Box("c", labels=frozenset({"x"}), free=3)) == 3
+    box.draining = True
+    assert placement.room(shape(1), box) == 0
+
+
+def test_warm_agents_come_first_then_the_rest_round_robin():
+    warm = Box("warm", models=frozenset({"llama"}), devices=gpus(2))
+    cold_a = Box("a", devices=gpus(2))
+    cold_b = Box("b", devices=gpus(2))
+    assert placement.slots(shape(1, model="llama"), [cold_a, warm, cold_b], 10) == [
+        "warm", "warm", "a", "b", "a", "b"]
+    assert placement.slots(shape(1, model="llama"), [cold_a, warm, cold_b], 3) == ["warm", "warm", "a"]
+    assert placement.slots(shape(1), [cold_a, cold_b], 10) == ["a", "b", "a", "b"]
+
+
+def test_the_reason_names_the_first_requirement_nobody_meets():
+    box = Box("b", labels=frozenset({"gpu=a10"}), devices=gpus(1, 24576))
+    assert placement.why_unplaceable(shape(1), [box]) is None
+    assert "kind embed" in placement.why_unplaceable(shape(1, kind="embed"), [box])
+    assert "protocol 4" in placement.why_unplaceable(shape(1), [Box("o", version=2)])
+    assert "gpu=h100" in placement.why_unplaceable(shape(1, labels=("gpu=h100",)), [box])
+    assert "2 GPUs of at least 40000 MiB" in placement.why_unplaceable(shape(2, 40000), [box])
+    assert placement.why_unplaceable(shape(1), []) == "no connected agent takes kind train"
