@@ -136,6 +136,9 @@ SETTINGS: tuple[Setting, ...] = (
             "while polls keep finding work the dispatcher polls this often and producers do not "
             "NOTIFY (their commits are not serialized); it asks for wake-ups once a poll finds none",
             {SERVE: "--busy-poll-seconds"}),
+    Setting("reserve_after_seconds", "GPUQ_RESERVE_AFTER", 60.0, parse_duration,
+            "a multi-GPU job waiting this long gets an agent reserved: no other GPU job starts there "
+            "until enough of its devices are free", {SERVE: "--reserve-after"}),
     Setting("sweep_seconds", "GPUQ_SWEEP_SECONDS", 2.0, parse_duration,
             "interval of the maintenance services (reclaim, promote, retention)",
             {"sweep": "--interval"}, used_by="serve, sweep"),
@@ -247,9 +250,11 @@ class ServerConfig:
     max_connections: int = default("max_connections")
     max_connections_per_ip: int = default("max_connections_per_ip")
     max_messages_per_second: int = default("max_messages_per_second")
+    reserve_after_seconds: float = default("reserve_after_seconds")
 
     def __post_init__(self) -> None:
-        for name in ("lease_seconds", "heartbeat_seconds", "poll_seconds", "busy_poll_seconds", "sweep_seconds", "drain_seconds"):
+        for name in ("lease_seconds", "heartbeat_seconds", "poll_seconds", "busy_poll_seconds", "sweep_seconds", "drain_seconds",
+                     "reserve_after_seconds"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
         if self.heartbeat_seconds >= self.lease_seconds:

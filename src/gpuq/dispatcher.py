@@ -63,6 +63,8 @@ REWIND_POLLS = 10
 SETTLE_SECONDS = 0.01
 # How often, at most, it reads gpuq.shapes for placement classes new since the last read.
 SHAPES_SECONDS = 0.05
+# How often it asks how long each multi-GPU shape's next job has waited (for reservations).
+RESERVE_CHECK_SECONDS = 1.0
 
 
 @dataclass(eq=False)
@@ -173,6 +175,8 @@ class Dispatcher:
         self._shapes: dict[tuple[str, str], queue.Shape] = {}
         self._shapes_at, self._shapes_stale = -SHAPES_SECONDS, True
         self._placed_empty: set[tuple[str, str]] = set()
+        self.reserved: dict[str, tuple[str, str]] = {}  # agent id -> the multi-GPU shape it is kept for
+        self._reserve_at = 0.0
 
     # -- agents ----------------------------------------------------------
 
@@ -429,9 +433,10 @@ class Dispatcher:
             self._placed_empty.clear()
         elif notified:
             self._placed_empty = {key for key in self._placed_empty if key[0] not in notified}
+        await self._reserve()
         for key, shape in list(self._shapes.items()):
             while key not in self._placed_empty and not self.stopping:
-                slots = placement.slots(shape, self.sessions.values(), self.config.max_batch)
+                slots = placement.slots(shape, self.sessions.values(), self.config.max_batch, self.reserved)
                 if not slots:
                     break
                 with metrics.LEASE_SECONDS.time():
@@ -441,8 +446,38 @@ class Dispatcher:
                 if jobs:
                     log.info("lease.placed", batch=len(jobs), requested=len(slots), kind=shape.kind,
                              gpus=shape.gpus, model=shape.model, agents=len({j.leased_by for j in jobs}))
+                    self._unreserve(key)
                 if len(jobs) < len(slots):
                     self._placed_empty.add(key)
+
+    async def _reserve(self) -> None:
+        """Keep an agent for each multi-GPU shape whose next job has waited past reserve_after_seconds.
+
+        Checked every RESERVE_CHECK_SECONDS (one indexed row per multi-GPU shape);
+        a reservation ends when its shape leases a job, or its agent leaves.
+        """
+        self.reserved = {sid: key for sid, key in self.reserved.items() if sid in self.sessions}
+        now = time.monotonic()
+        if now < self._reserve_at:
+            return
+        self._reserve_at = now + min(RESERVE_CHECK_SECONDS, self.config.reserve_after_seconds)
+        held = set(self.reserved.values())
+        for key, shape in self._shapes.items():
+            if shape.gpus < 2 or key in held:
+                continue
+            waited = await queue.placed_head_wait(self.pool, shape)
+            if waited is None or waited < self.config.reserve_after_seconds:
+                continue
+            if (sid := placement.reserve(shape, self.sessions.values(), self.reserved)) is not None:
+                self.reserved[sid] = key
+                self._placed_empty.discard(key)
+                log.info("placement.reserved", agent=sid, kind=shape.kind, gpus=shape.gpus,
+                         waited_seconds=round(waited, 1))
+
+    def _unreserve(self, key: tuple[str, str]) -> None:
+        for sid in [sid for sid, k in self.reserved.items() if k == key]:
+            del self.reserved[sid]
+            log.info("placement.reservation_used", agent=sid, kind=key[0])
 
     async def unplaceable(self) -> dict[str, list[dict[str, Any]]]:
         """Pending placed jobs no connected agent could run, per kind, with the reason (for /status)."""
@@ -459,6 +494,9 @@ class Dispatcher:
                 "pending": n, "since": oldest.isoformat(), "gpus": shape.gpus, "gpu_memory_mb": shape.gpu_memory_mb,
                 "labels": sorted(shape.labels), "model": shape.model, "reason": reason})
         return out
+
+    def shape(self, key: tuple[str, str]) -> queue.Shape | None:
+        return self._shapes.get(key)
 
     def _placing(self) -> bool:
         """Whether an agent that can take placed jobs is connected."""

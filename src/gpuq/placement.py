@@ -10,17 +10,24 @@ placement"):
 - a job without GPUs takes the agent's plain credit (``capacity``); one with
   GPUs takes devices, one job per device;
 - among agents that fit, those holding the job's model warm come first;
-  the rest are taken round-robin.
+  the rest are taken round-robin;
+- an agent reserved for a multi-GPU shape (its next job waited past
+  ``reserve_after_seconds``) gives its devices to that shape alone, so
+  single-GPU jobs cannot keep it from ever having enough free at once.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Protocol
 
 from gpuq.protocol import PLACEMENT_SINCE, Device
 from gpuq.queue import Shape
+
+ShapeKey = tuple[str, str]  # (kind, shape)
+NONE: Mapping[str, ShapeKey] = MappingProxyType({})
 
 
 class Candidate(Protocol):
@@ -51,23 +58,36 @@ def could_run(shape: Shape, agent: Candidate) -> bool:
     return shape.gpus <= sum(d.memory_mb >= (shape.gpu_memory_mb or 0) for d in agent.devices)
 
 
-def room(shape: Shape, agent: Candidate) -> int:
-    """How many of ``shape``'s jobs ``agent`` can start now."""
+def room(shape: Shape, agent: Candidate, reserved: Mapping[str, ShapeKey] = NONE) -> int:
+    """How many of ``shape``'s jobs ``agent`` can start now; ``reserved``: agent id -> the shape
+    whose jobs alone may take that agent's devices (a multi-GPU job that waited too long)."""
     if agent.draining or not could_run(shape, agent):
         return 0
     if shape.gpus == 0:
         return agent.free
+    if reserved.get(agent.id, (shape.kind, shape.shape)) != (shape.kind, shape.shape):
+        return 0
     return len(agent.free_devices(shape.gpu_memory_mb or 0)) // shape.gpus
 
 
-def slots(shape: Shape, agents: Iterable[Candidate], limit: int) -> list[str]:
+def slots(shape: Shape, agents: Iterable[Candidate], limit: int, reserved: Mapping[str, ShapeKey] = NONE) -> list[str]:
     """Agent ids, one per job to lease now, at most ``limit``: warm agents first, each round-robin."""
     warm: list[list[str]] = []
     cold: list[list[str]] = []
     for agent in agents:
-        if n := room(shape, agent):
+        if n := room(shape, agent, reserved):
             (warm if shape.model is not None and shape.model in agent.models else cold).append([agent.id] * n)
     return (_round_robin(warm) + _round_robin(cold))[:limit]
+
+
+def reserve(shape: Shape, agents: Iterable[Candidate], taken: Iterable[str]) -> str | None:
+    """The agent to keep for ``shape``'s jobs as it drains: of those that could run them and are not
+    ``taken`` (reserved already), the one with the most fitting devices free (the nearest to fit)."""
+    taken = set(taken)
+    fits = [a for a in agents if a.id not in taken and not a.draining and could_run(shape, a)]
+    if not fits:
+        return None
+    return max(fits, key=lambda a: len(a.free_devices(shape.gpu_memory_mb or 0))).id
 
 
 def _round_robin(columns: Sequence[list[str]]) -> list[str]:

@@ -289,6 +289,11 @@ async def lease_placed(db: DB, shape: Shape, slots: Sequence[str], lease_seconds
             for r in rows]
 
 
+async def placed_head_wait(db: DB, shape: Shape) -> float | None:
+    """Seconds the shape's next pending job has been due (None: none pending)."""
+    return await db.fetchval(queries["placed_head"], shape.kind, shape.shape)
+
+
 async def placed_pending(db: DB) -> dict[tuple[str, str], tuple[int, datetime]]:
     """(kind, shape) -> (pending jobs, the oldest's creation) of placed jobs."""
     return {(r["kind"], r["shape"]): (r["n"], r["oldest"]) for r in await db.fetch(queries["placed_pending"])}

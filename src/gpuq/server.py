@@ -140,15 +140,19 @@ class AgentServer:
 
     def _agent_status(self, s: AgentSession) -> dict[str, Any]:
         proto = s.protocol
+        holder = {i: job_id for job_id, given in proto.devices_in_use.items() for i in given}
         devices = []
         for d in s.devices:
             usage = proto.usage.get(d.index)
             devices.append({"index": d.index, "name": d.name, "memory_mb": d.memory_mb,
                             "utilization": usage.utilization if usage else None,
-                            "memory_used_mb": usage.memory_used_mb if usage else None})
+                            "memory_used_mb": usage.memory_used_mb if usage else None, "job": holder.get(d.index)})
+        reserved = self.d.reserved.get(s.id)
+        shape = self.d.shape(reserved) if reserved else None
         return {"agent": s.id, "kinds": sorted(s.kinds), "capacity": s.capacity, "inflight": len(s.inflight),
                 "draining": s.draining, "protocol": proto.version, "remote": s.remote, "devices": devices,
                 "labels": list(proto.labels), "models": list(proto.models),
+                "reserved_for": {"kind": shape.kind, "gpus": shape.gpus} if shape else None,
                 "progress": {str(i): p for i, p in self.d.progress.of(s.inflight).items()}}
 
     # -- websocket: one agent connection ---------------------------------

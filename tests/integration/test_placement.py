@@ -32,7 +32,7 @@ async def test_an_agent_describes_itself_and_changes_its_models_without_reconnec
         [me] = (await status(srv))["agents"]
         assert me["protocol"] == 4 and me["labels"] == ["gpu=h100", "region=eu"] and me["models"] == ["llama-8b"]
         assert me["devices"] == [{"index": i, "name": "h100", "memory_mb": 81920, "utilization": None,
-                                  "memory_used_mb": None} for i in (0, 1)]
+                                  "memory_used_mb": None, "job": None} for i in (0, 1)]
         agent.set_models(["llama-8b", "sdxl"])
 
         async def updated() -> bool:
@@ -67,7 +67,7 @@ async def test_device_usage_from_heartbeats_shows_in_status_and_metrics(dsn):
 
         await wait_for(reported)
         assert (await status(srv))["agents"][0]["devices"] == [
-            {"index": 3, "name": "a10", "memory_mb": 24576, "utilization": 87, "memory_used_mb": 20000}]
+            {"index": 3, "name": "a10", "memory_mb": 24576, "utilization": 87, "memory_used_mb": 20000, "job": None}]
         text = (await http_get(f"{srv.http}/metrics"))[2]
         samples = {(s.name, s.labels.get("device")): s.value
                    for f in text_string_to_metric_families(text) for s in f.samples if "agent" in s.labels}
@@ -214,3 +214,41 @@ async def test_a_job_goes_where_its_model_is_warm(dsn, live_conn):
 
 async def _models_are(srv, models) -> bool:
     return any(a["models"] == models for a in (await status(srv))["agents"])
+
+
+async def _stream_single_gpu_jobs(conn, stop: anyio.Event) -> None:
+    """Keep a few 1-GPU jobs pending until ``stop``: each freed device has a taker at once."""
+    while not stop.is_set():
+        if await conn.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'pending' AND gpus = 1") < 4:
+            await enqueue(conn, "train", gpus=1)
+        await anyio.sleep(0.01)
+
+
+async def _two_gpu_job_runs_during_a_stream(dsn, conn, reserve_after: float, within: float) -> tuple | None:
+    runs: list = []
+
+    async def handler(job):
+        runs.append((job.id, job.devices))
+        await anyio.sleep(0.1 if len(job.devices) == 1 else 0)
+
+    stop = anyio.Event()
+    async with running_server(dsn, poll_seconds=60, reserve_after_seconds=reserve_after) as srv, \
+            anyio.create_task_group() as tg:
+        await srv.agent(["train"], 1, handler, "h100-box", devices=H100S)
+        producer = await asyncpg.connect(dsn)
+        tg.start_soon(_stream_single_gpu_jobs, producer, stop)
+        await anyio.sleep(0.3)
+        big = await enqueue(conn, "train", gpus=2)
+        with anyio.move_on_after(within):
+            while not any(r[0] == big for r in runs):
+                await anyio.sleep(0.02)
+        stop.set()
+    await producer.close()
+    return next((r for r in runs if r[0] == big), None)
+
+
+async def test_a_multi_gpu_job_gets_an_agent_reserved_after_waiting(dsn, live_conn):
+    # With reserve_after_seconds=3600 the same stream kept the job waiting (checked by hand: 3 of 3 runs
+    # still pending after 4 s): a device frees one at a time, and a 1-GPU job takes it.
+    assert await _two_gpu_job_runs_during_a_stream(dsn, live_conn, reserve_after=0.3, within=10) is not None
+

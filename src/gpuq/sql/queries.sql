@@ -150,6 +150,12 @@ RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease
 -- Every placement shape enqueued so far, with what its jobs need (a handful of rows).
 SELECT kind, shape, gpus, gpu_memory_mb, labels, model, keyed FROM gpuq.shapes;
 
+-- name: placed_head
+-- Seconds the next pending job of kind $1 and shape $2 has been due (jobs_placed_idx; no row: none pending).
+SELECT extract(epoch FROM now() - run_at)::float8 AS waited FROM gpuq.jobs
+WHERE status = 'pending' AND shape IS NOT NULL AND kind = $1 AND shape = $2
+ORDER BY priority DESC, id LIMIT 1;
+
 -- name: placed_pending
 -- Pending placed jobs per kind and shape (jobs_placed_idx: live rows only).
 SELECT kind, shape, count(*) AS n, min(created_at) AS oldest
