@@ -1,5 +1,5 @@
 """The ``gpuq`` command: migrate, serve, sweep, agent, enqueue, status, show, wait, cancel, pause, resume,
-retry, schedule, kind-timeout, dev, bench.
+retry, schedule, kind-timeout, limit, dev, bench.
 
 Every failure an operator can cause (bad flag, unreachable database, missing
 migrations, bad handler path) ends in one ``gpuq: error: ...`` line and a
@@ -172,6 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
     kt.add_argument("seconds", metavar="SECONDS|none", nargs="?", help="seconds per attempt, or none to remove")
     config.add_flags(kt, "kind-timeout")
     kt.set_defaults(func=cmd_kind_timeout)
+
+    lim = sub.add_parser("limit", help="at most N jobs running at once of a kind, or under a concurrency key, "
+                                       "across every server; no arguments: list them with what runs now")
+    lim.add_argument("scope", metavar="kind|key", nargs="?", choices=("kind", "key"))
+    lim.add_argument("name", metavar="NAME", nargs="?", help="the kind, or the concurrency key")
+    lim.add_argument("max_running", metavar="N|none", nargs="?", help="jobs at once, or none to remove the limit")
+    config.add_flags(lim, "limit")
+    lim.set_defaults(func=cmd_limit)
 
     for name, verb in (("pause", "stop leasing"), ("resume", "lease again")):
         pr = sub.add_parser(name, help=f"{verb} every job of a kind, on every dispatcher (running jobs finish)")
@@ -548,6 +556,36 @@ def cmd_kind_timeout(args: argparse.Namespace) -> int:
     else:
         for kind, value in defaults.items():
             print(f"{kind}  {value} s")
+    return 0
+
+
+def cmd_limit(args: argparse.Namespace) -> int:
+    from gpuq import queue
+
+    if args.scope is not None and args.max_running is None:
+        raise CLIError("give NAME and N (or none): gpuq limit kind|key NAME N|none; no arguments lists them")
+    limit = None
+    if args.max_running not in (None, "none"):
+        try:
+            limit = int(args.max_running)
+        except ValueError:
+            raise CLIError(f"a limit is a whole number of jobs or none, not {args.max_running!r}") from None
+
+    async def run(conn: Any) -> list[dict[str, Any]]:
+        if args.scope is not None:
+            try:
+                await queue.set_limit(conn, args.scope, args.name, limit)
+            except ValueError as exc:
+                raise CLIError(str(exc)) from None
+        return await queue.limits(conn)
+
+    limits = _on_db(args, run)
+    if args.scope is not None:
+        _admin("limit", scope=args.scope, name=args.name, max_running=limit)
+        print(f"{args.scope} {args.name}: {'at most ' + str(limit) + ' running' if limit is not None else 'no limit'}")
+    else:
+        for lim in limits:
+            print(f"{lim['scope']}  {lim['name']}  {lim['running']}/{lim['max_running']} running")
     return 0
 
 

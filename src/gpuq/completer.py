@@ -9,7 +9,7 @@ written one by one, so one bad outcome cannot block the others.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import anyio
@@ -34,9 +34,10 @@ class Session(Protocol):
 class Completer:
     """Batches agents' outcomes into few statements; acks each agent after commit."""
 
-    def __init__(self, pool: Any, backoff: Backoff):
+    def __init__(self, pool: Any, backoff: Backoff, on_written: Callable[[], None] | None = None):
         self.pool = pool
         self.backoff = backoff
+        self.on_written = on_written  # after each commit of outcomes (limits may have room again)
         # Outcomes waiting for the database (add them with submit(), release()).
         self.done: list[tuple[Session, Done, str]] = []
         self.failed: list[tuple[Session, Failed, str]] = []
@@ -115,6 +116,8 @@ class Completer:
             await queue.release_jobs(self.pool, orphans)
         # Committed: now take them off the queue and tell the agents.
         del self.done[:len(done)], self.failed[:len(failed)], self.orphans[:len(orphans)]
+        if self.on_written is not None:
+            self.on_written()
         acks: dict[Session, tuple[list[int], list[int]]] = {}
         done_kinds: Counter[str | None] = Counter()
         for session, m, kind in done:

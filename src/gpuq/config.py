@@ -108,7 +108,7 @@ class Setting:
 
 
 _DB_COMMANDS = ("migrate", "serve", "sweep", "enqueue", "status", "pause", "resume", "retry", "cancel", "show", "wait", "schedule",
-                "kind-timeout")
+                "kind-timeout", "limit")
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("database_url", "DATABASE_URL", None, parse_text, "PostgreSQL DSN",

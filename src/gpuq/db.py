@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -53,10 +54,7 @@ class Guarded:
         return getattr(self.inner, name)
 
     async def _run(self, method: str, query: str, args: tuple[Any, ...]) -> Any:
-        is_pool = isinstance(self.inner, asyncpg.Pool)
-        async with self.inner.acquire() if is_pool else contextlib.nullcontext(self.inner) as conn, \
-                conn.transaction():
-            await conn.execute(queries["plan_guards"])
+        async with transaction(self) as conn:
             return await getattr(conn, method)(query, *args)
 
     async def fetch(self, query: str, *args: Any) -> Any:
@@ -70,6 +68,19 @@ class Guarded:
 
     async def execute(self, query: str, *args: Any) -> Any:
         return await self._run("execute", query, args)
+
+
+@contextlib.asynccontextmanager
+async def transaction(db: Any) -> AsyncIterator[Any]:
+    """A connection of ``db`` (a Pool, a Connection, either ``Guarded``) in a transaction; pooled,
+    the planner guards are set first."""
+    guarded = isinstance(db, Guarded)
+    inner = db.inner if guarded else db
+    async with inner.acquire() if isinstance(inner, asyncpg.Pool) else contextlib.nullcontext(inner) as conn, \
+            conn.transaction():
+        if guarded:
+            await conn.execute(queries["plan_guards"])
+        yield conn
 
 
 async def _keep_session(_conn: asyncpg.Connection) -> None:

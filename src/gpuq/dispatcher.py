@@ -42,7 +42,7 @@ from gpuq.completer import Completer
 from gpuq.config import ServerConfig
 from gpuq.loops import RetryBackoff, run_every
 from gpuq.progress import ProgressWriter
-from gpuq.protocol import PLACEMENT_SINCE, Device, Done, Failed, ProgressUpdate
+from gpuq.protocol import Device, Done, Failed, ProgressUpdate
 from gpuq.protocol.server_side import ServerProtocol
 from gpuq.queue import Backoff
 from gpuq.sql import queries
@@ -137,7 +137,7 @@ class Dispatcher:
         self.pool = pool
         self.config = config
         self.sessions: dict[str, AgentSession] = {}
-        self.completer = Completer(pool, backoff or Backoff())
+        self.completer = Completer(pool, backoff or Backoff(), on_written=self._outcomes_written)
         self.progress = ProgressWriter(pool)
         self.listening = False
         self.stopping = False
@@ -175,6 +175,9 @@ class Dispatcher:
         self._shapes: dict[tuple[str, str], queue.Shape] = {}
         self._shapes_at, self._shapes_stale = -SHAPES_SECONDS, True
         self._placed_empty: set[tuple[str, str]] = set()
+        # Limits (gpuq.limits, read with the shapes): kinds with one, and whether any key has one.
+        self._limited_kinds: frozenset[str] = frozenset()
+        self._key_limits = False
         self.reserved: dict[str, tuple[str, str]] = {}  # agent id -> the multi-GPU shape it is kept for
         self._reserve_at = 0.0
 
@@ -348,7 +351,7 @@ class Dispatcher:
         """
         if not self._any_free():
             return None  # only freed credit gives it something to do
-        if self._shapes_stale and self._placing():
+        if self._shapes_stale:
             return max(0.0, self._shapes_at + SHAPES_SECONDS - time.monotonic())
         if self._busy:
             return self.config.busy_poll_seconds  # work keeps coming: poll, producers need not notify
@@ -426,21 +429,24 @@ class Dispatcher:
         A shape whose last lease came up short is not tried again until its
         kind is notified or a poll comes, like a group in ``_empty``.
         """
-        if not self._placing():
-            return
         await self._refresh_shapes(everything or bool(notified))
         if everything:
             self._placed_empty.clear()
         elif notified:
             self._placed_empty = {key for key in self._placed_empty if key[0] not in notified}
         await self._reserve()
-        for key, shape in list(self._shapes.items()):
+        work = [*self._shapes.items(), *(((k, ""), queue.Shape.of_plain(k)) for k in self._limited_kinds)]
+        for key, shape in work:
             while key not in self._placed_empty and not self.stopping:
                 slots = placement.slots(shape, self.sessions.values(), self.config.max_batch, self.reserved)
                 if not slots:
                     break
                 with metrics.LEASE_SECONDS.time():
-                    jobs = await queue.lease_placed(self.pool, shape, slots, self.config.lease_seconds)
+                    if self._limited(shape):
+                        jobs = await queue.lease_limited(self.pool, shape, slots, self.config.lease_seconds,
+                                                         scan_keys=shape.keyed and self._key_limits)
+                    else:
+                        jobs = await queue.lease_placed(self.pool, shape, slots, self.config.lease_seconds)
                 self._busy = self._busy or bool(jobs)
                 self._deliver(jobs)
                 if jobs:
@@ -498,20 +504,36 @@ class Dispatcher:
     def shape(self, key: tuple[str, str]) -> queue.Shape | None:
         return self._shapes.get(key)
 
-    def _placing(self) -> bool:
-        """Whether an agent that can take placed jobs is connected."""
-        return any(s.version >= PLACEMENT_SINCE for s in self.sessions.values())
+    def _outcomes_written(self) -> None:
+        """Jobs ended in the database: limits they held may have room again (a job that ended on
+        another server: the next poll)."""
+        if not (self._limited_kinds or self._key_limits):
+            return
+        held = {k for k in self._placed_empty if k[0] in self._limited_kinds or (k in self._shapes
+                                                                                 and self._limited(self._shapes[k]))}
+        if held:
+            self._placed_empty -= held
+            self._wake.set()
+
+    def _limited(self, shape: queue.Shape) -> bool:
+        """Whether a limit may hold the shape's jobs back: they go through lease_limited."""
+        return shape.kind in self._limited_kinds or (shape.keyed and self._key_limits)
 
     def _shapes_due(self) -> bool:
         """A pass read no shapes though asked to (throttled): the next read is due."""
-        return self._shapes_stale and self._placing() and time.monotonic() - self._shapes_at >= SHAPES_SECONDS
+        return self._shapes_stale and bool(self.sessions) and time.monotonic() - self._shapes_at >= SHAPES_SECONDS
 
     async def _refresh_shapes(self, wanted: bool) -> None:
-        """Read gpuq.shapes (a few rows) when a notification or poll asks, at most every SHAPES_SECONDS."""
+        """Read gpuq.shapes and gpuq.limits (a few rows each) when a notification or poll asks, at most
+        every SHAPES_SECONDS. Until a dispatcher has read a limit, the jobs under it wait: the other
+        lease statements skip them."""
         now = time.monotonic()
         self._shapes_stale = self._shapes_stale or wanted
         if self._shapes_stale and now - self._shapes_at >= SHAPES_SECONDS:
             self._shapes = {(s.kind, s.shape): s for s in await queue.shapes(self.pool)}
+            limits = await queue.limits(self.pool)
+            self._limited_kinds = frozenset(lim["name"] for lim in limits if lim["scope"] == "kind")
+            self._key_limits = any(lim["scope"] == "key" for lim in limits)
             self._shapes_at, self._shapes_stale = now, False
 
     async def _lease_group(self, kinds: frozenset[str], members: list[AgentSession]) -> None:

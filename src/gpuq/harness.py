@@ -304,9 +304,9 @@ class Fleet:
         self.wait(lambda: bool(http_json(self.port, "/healthz").get("ok")), 30, "serve /healthz")
 
     def start_agents(self, n: int, capacity: int, handler: str = "gpuq.demo:noop",
-                     env: dict[str, str] | None = None) -> None:
+                     env: dict[str, str] | None = None, kinds: str = KIND, prefix: str = "bench") -> None:
         for i in range(n):
-            self.agents.append(spawn(f"agent-{i}", agent_argv(self.url, f"bench-{i}", handler, capacity),
+            self.agents.append(spawn(f"agent-{i}", agent_argv(self.url, f"{prefix}-{i}", handler, capacity, kinds),
                                      self.logdir, env))
         self.wait_connected(n)
 

@@ -53,7 +53,11 @@ class Candidate(Protocol):
 
 def could_run(shape: Shape, agent: Candidate) -> bool:
     """Whether ``agent`` meets every hard requirement of ``shape``, free devices or not."""
-    if agent.version < PLACEMENT_SINCE or shape.kind not in agent.kinds or not shape.labels <= agent.labels:
+    if shape.kind not in agent.kinds:
+        return False
+    if shape.plain:
+        return True  # a limited kind's plain jobs: any agent of the kind, any version
+    if agent.version < PLACEMENT_SINCE or not shape.labels <= agent.labels:
         return False
     return shape.gpus <= sum(d.memory_mb >= (shape.gpu_memory_mb or 0) for d in agent.devices)
 

@@ -271,6 +271,15 @@ class Shape:
     model: str | None
     keyed: bool
 
+    @property
+    def plain(self) -> bool:
+        """The kind's plain jobs (no requirement): what a kind limit makes the dispatcher lease as a shape."""
+        return self.shape == ""
+
+    @classmethod
+    def of_plain(cls, kind: str) -> Shape:
+        return cls(kind, "", 0, None, frozenset(), None, False)
+
 
 async def shapes(db: DB) -> list[Shape]:
     return [Shape(r["kind"], r["shape"], r["gpus"], r["gpu_memory_mb"], frozenset(r["labels"]), r["model"],
@@ -282,11 +291,55 @@ async def lease_placed(db: DB, shape: Shape, slots: Sequence[str], lease_seconds
     the i-th goes to ``slots[i]``. The caller chose agents that meet the shape's requirements."""
     if not slots:
         return []
-    rows = await db.fetch(queries["lease_placed"], shape.kind, shape.shape, list(slots), lease_seconds)
-    rows = sorted(rows, key=_BY_SLOT)
+    return _placed_jobs(shape, await db.fetch(queries["lease_placed"], shape.kind, shape.shape, list(slots),
+                                              lease_seconds))
+
+
+def _placed_jobs(shape: Shape, rows: list[Any]) -> list[LeasedJob]:
     return [LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
                       r["leased_by"], r["payload_json"], r["timeout_seconds"], shape.gpus, shape.gpu_memory_mb)
-            for r in rows]
+            for r in sorted(rows, key=_BY_SLOT)]
+
+
+# A limited lease reads at most this many of a keyed shape's next jobs looking
+# for keys with room: jobs behind that many of full keys wait for them to drain.
+LIMITED_SCAN = 1000
+
+
+async def lease_limited(db: DB, shape: Shape, slots: Sequence[str], lease_seconds: float,
+                        scan_keys: bool) -> list[LeasedJob]:
+    """Lease up to ``len(slots)`` of a shape's pending jobs (``shape.plain``: the kind's plain jobs)
+    within the kind's and the keys' limits (gpuq.limits), one limited lease at a time across every
+    dispatcher (an advisory lock in its transaction). ``scan_keys``: some key has a limit, so read
+    up to LIMITED_SCAN jobs for keys with room (else only as many as the slots)."""
+    from gpuq.db import transaction
+
+    if not slots:
+        return []
+    async with transaction(db) as conn:
+        await conn.execute(queries["limits_lock"])
+        rows = await conn.fetch(queries["lease_limited"], shape.kind, shape.shape, list(slots), lease_seconds,
+                                LIMITED_SCAN if scan_keys else len(slots))
+    return _placed_jobs(shape, rows)
+
+
+async def set_limit(db: DB, scope: str, name: str, max_running: int | None) -> None:
+    """At most ``max_running`` jobs leased at once of kind ``name`` (scope ``kind``) or under
+    concurrency key ``name`` (scope ``key``), across every dispatcher; None removes the limit."""
+    if scope not in ("kind", "key"):
+        raise ValueError(f"a limit is per kind or per key, not {scope!r}")
+    if scope == "kind" and not is_kind(name):
+        raise ValueError(f"bad job kind {name!r}: {KIND_RULE}")
+    if scope == "key" and not 1 <= len(name) <= 256:
+        raise ValueError("concurrency_key must be 1-256 characters")
+    if max_running is not None and max_running < 0:
+        raise ValueError(f"a limit must be 0 or more jobs, not {max_running}")
+    await db.execute(queries["limit_set"], scope, name, max_running)
+
+
+async def limits(db: DB) -> list[dict[str, Any]]:
+    """Every limit: ``{scope, name, max_running, running}``."""
+    return [dict(r) for r in await db.fetch(queries["limits"])]
 
 
 async def placed_head_wait(db: DB, shape: Shape) -> float | None:

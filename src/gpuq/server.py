@@ -135,6 +135,7 @@ class AgentServer:
         body = counts.as_dict()
         body["agents"] = [self._agent_status(s) for s in self.d.sessions.values()]
         body["unplaceable"] = await self.d.unplaceable()
+        body["limits"] = await queue.limits(self.d.pool)
         body["agents_connected"] = len(self.d.sessions)
         return body
 

@@ -11,7 +11,7 @@ from gpuq.config import ConfigError
 from gpuq.runtime import use_uvloop
 
 SUBCOMMANDS = ["migrate", "serve", "sweep", "agent", "enqueue", "status", "show", "cancel", "pause", "resume",
-               "retry", "schedule", "wait", "kind-timeout", "dev", "bench"]
+               "retry", "schedule", "wait", "kind-timeout", "limit", "dev", "bench"]
 
 
 def gpuq(*args, env=None, stdin=None, timeout=60):
@@ -231,6 +231,29 @@ def test_kind_timeout_from_the_shell(dsn):
     assert gpuq("kind-timeout", "render", "none", env=env).stdout.strip() == "render: default timeout none"
     res = gpuq("kind-timeout", "render", "soon", env=env)
     assert res.returncode == 1 and "whole seconds or none" in res.stderr
+
+
+def test_limit_from_the_shell(dsn):
+    env = {"DATABASE_URL": dsn}
+    assert gpuq("limit", "kind", "render", "3", env=env).stdout.strip() == "kind render: at most 3 running"
+    assert gpuq("limit", "key", "tenant-a", "1", env=env).returncode == 0
+    assert gpuq("limit", env=env).stdout.splitlines() == ["key  tenant-a  0/1 running", "kind  render  0/3 running"]
+    assert gpuq("limit", "kind", "render", "none", env=env).stdout.strip() == "kind render: no limit"
+    res = gpuq("limit", "kind", "render", "many", env=env)
+    assert res.returncode == 1 and "whole number of jobs or none" in res.stderr
+    res = gpuq("limit", "kind", "bad kind", "2", env=env)
+    assert res.returncode == 1 and "bad job kind" in res.stderr
+
+
+def test_enqueue_with_placement_from_the_shell(dsn):
+    env = {"DATABASE_URL": dsn}
+    job_id = gpuq("enqueue", "train", "{}", "--gpus", "2", "--gpu-memory", "40000", "--labels", "gpu=h100,region=eu",
+                  "--model", "llama-8b", "--concurrency-key", "tenant-a", env=env).stdout.strip()
+    shown = json.loads(gpuq("show", job_id, env=env).stdout)
+    assert (shown["gpus"], shown["gpu_memory_mb"], shown["labels"], shown["model"], shown["concurrency_key"]) == (
+        2, 40000, ["gpu=h100", "region=eu"], "llama-8b", "tenant-a")
+    res = gpuq("enqueue", "train", "{}", "--gpu-memory", "40000", env=env)
+    assert res.returncode == 1 and "needs gpus of at least 1" in res.stderr
 
 
 def test_wait_progress_prints_the_stored_progress_on_stderr(dsn):

@@ -60,7 +60,7 @@ class Fleet:
 
 
 def _shape(job: dict) -> Shape:
-    return Shape("train", "", job["gpus"], job["memory"] if job["gpus"] else None, frozenset(job["labels"]),
+    return Shape("train", "expected", job["gpus"], job["memory"] if job["gpus"] else None, frozenset(job["labels"]),
                  None, False)
 
 

@@ -17,7 +17,7 @@ NAMES = {
     "clear_floors", "insert_horizon", "pause_kind", "resume_kind", "paused_kinds", "retry_count", "retry",
     "show", "kind_timeout_set", "kind_timeouts", "expire_deadlines", "notify_outcomes", "job_outcome",
     "schedule_add", "schedule_remove", "schedule_list", "schedules_due", "schedules_fire", "record_progress",
-    "lease_placed", "shapes", "placed_pending",
+    "lease_placed", "shapes", "placed_pending", "placed_head", "limits_lock", "lease_limited", "limit_set", "limits",
 }
 MULTI_STATEMENT = {"migrations_bootstrap", "plan_guards"}  # run as a simple query, never prepared
 

@@ -52,3 +52,11 @@ async def record(job: Job) -> dict[str, Any]:
     if work_s > 0:
         await anyio.sleep(random.uniform(0, 2 * work_s))
     return {"token": job.lease_token}
+
+
+async def timed(job: Job) -> dict[str, float]:
+    """Sleep ``payload["sleep"]`` seconds (default 0.05); the result is when it ran (wall clock), for
+    counting how many ran at once across agent processes."""
+    start = time.time()
+    await anyio.sleep(float(job.payload.get("sleep", 0.05)) if isinstance(job.payload, dict) else 0.05)
+    return {"start": start, "end": time.time()}

@@ -64,12 +64,13 @@ LEFT JOIN gpuq.jobs live ON ins.id IS NULL AND live.dedup_key = input.dedup_key
 ORDER BY input.ord;
 
 -- name: lease_slots
--- Lease up to $2 plain jobs of kinds $1 (not paused), pending first (phase 1, each kind from its cursor: rank $5, id $6) then expired leases (phase 2); the i-th goes to slot $3[i].
+-- Lease up to $2 plain jobs of kinds $1 (not paused, no limit), pending first (phase 1, each kind from its cursor: rank $5, id $6) then expired leases (phase 2); the i-th goes to slot $3[i].
 WITH leasable AS (  -- the kinds asked for that are not paused, with their default timeout
     SELECT u.kind, u.after_rank, u.after_id, t.timeout_seconds AS default_timeout
     FROM unnest($1::text[], $5::int[], $6::bigint[]) AS u(kind, after_rank, after_id)
     LEFT JOIN gpuq.kind_timeouts t ON t.kind = u.kind
     WHERE NOT EXISTS (SELECT 1 FROM gpuq.paused_kinds p WHERE p.kind = u.kind)
+      AND NOT EXISTS (SELECT 1 FROM gpuq.limits l WHERE l.scope = 'kind' AND l.name = u.kind)  -- lease_limited's
 ), picked AS (
     SELECT c.ctid, k.default_timeout, row_number() OVER (ORDER BY c.priority DESC, c.id) AS rn
     FROM leasable AS k
@@ -120,16 +121,19 @@ RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease
           coalesce(j.timeout_seconds, a.default_timeout) AS timeout_seconds;
 
 -- name: lease_placed
--- Lease up to cardinality($3) pending jobs of kind $1 (not paused) and placement shape $2, by priority and id; the i-th goes to slot $3[i].
+-- Lease up to cardinality($3) pending jobs of kind $1 (not paused, no limit) and placement shape $2, by priority and id, none under a limited key; the i-th goes to slot $3[i].
 WITH leasable AS (
     SELECT (SELECT t.timeout_seconds FROM gpuq.kind_timeouts t WHERE t.kind = $1) AS default_timeout
     WHERE NOT EXISTS (SELECT 1 FROM gpuq.paused_kinds p WHERE p.kind = $1)
+      AND NOT EXISTS (SELECT 1 FROM gpuq.limits l WHERE l.scope = 'kind' AND l.name = $1)
 ), picked AS (
     SELECT c.ctid, row_number() OVER (ORDER BY c.priority DESC, c.id) AS rn
     FROM (
         SELECT ctid, id, priority FROM gpuq.jobs
         WHERE status = 'pending' AND shape IS NOT NULL AND kind = $1 AND shape = $2
           AND EXISTS (SELECT 1 FROM leasable)
+          AND (concurrency_key IS NULL
+               OR NOT EXISTS (SELECT 1 FROM gpuq.limits l WHERE l.scope = 'key' AND l.name = concurrency_key))
         ORDER BY priority DESC, id
         LIMIT cardinality($3::text[])
         FOR UPDATE SKIP LOCKED
@@ -145,6 +149,75 @@ WHERE j.ctid = p.ctid
 RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token, j.priority, j.leased_by,
           j.payload::text AS payload_json, s.slot,
           coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds;
+
+-- name: limits_lock
+-- Taken before lease_limited, in its transaction: limited leases run one at a time across dispatchers, each counting the last one's.
+SELECT pg_advisory_xact_lock(hashtext('gpuq.limits'));
+
+-- name: lease_limited
+-- Lease up to cardinality($3) pending jobs of kind $1 and shape $2 ('': plain jobs) that the limits of gpuq.limits leave room for, reading at most $5 in order; the i-th goes to slot $3[i].
+WITH leasable AS (  -- not paused; room: what the kind's limit leaves, at most the slots
+    SELECT (SELECT t.timeout_seconds FROM gpuq.kind_timeouts t WHERE t.kind = $1) AS default_timeout,
+           least(cardinality($3::text[]), greatest(0, coalesce(
+               (SELECT l.max_running FROM gpuq.limits l WHERE l.scope = 'kind' AND l.name = $1)
+               - (SELECT count(*) FROM gpuq.jobs WHERE status = 'leased' AND kind = $1), 2147483647))) AS room
+    WHERE NOT EXISTS (SELECT 1 FROM gpuq.paused_kinds p WHERE p.kind = $1)
+), candidates AS (  -- the next jobs, from the partial index of plain or of placed jobs
+    (SELECT ctid, id, priority, concurrency_key FROM gpuq.jobs
+     WHERE status = 'pending' AND shape IS NULL AND kind = $1 AND $2::text = '' AND (SELECT room FROM leasable) > 0
+     ORDER BY kind, -priority, id LIMIT $5)
+    UNION ALL
+    (SELECT ctid, id, priority, concurrency_key FROM gpuq.jobs
+     WHERE status = 'pending' AND shape IS NOT NULL AND kind = $1 AND shape = $2 AND (SELECT room FROM leasable) > 0
+     ORDER BY priority DESC, id LIMIT $5)
+), running AS (  -- jobs leased now under the candidates' keys (jobs_running_key_idx)
+    SELECT concurrency_key, count(*) AS n FROM gpuq.jobs
+    WHERE status = 'leased' AND concurrency_key = ANY(ARRAY(SELECT DISTINCT concurrency_key FROM candidates))
+    GROUP BY concurrency_key
+), allowed AS (  -- each key's first (limit - running) candidates, then the kind's room
+    SELECT c.ctid FROM (
+        SELECT *, row_number() OVER (PARTITION BY concurrency_key ORDER BY priority DESC, id) AS nth
+        FROM candidates
+    ) c
+    LEFT JOIN gpuq.limits l ON l.scope = 'key' AND l.name = c.concurrency_key
+    LEFT JOIN running r ON r.concurrency_key = c.concurrency_key
+    WHERE l.max_running IS NULL OR c.nth <= l.max_running - coalesce(r.n, 0)
+    ORDER BY c.priority DESC, c.id
+    LIMIT coalesce((SELECT room FROM leasable), 0)
+), picked AS (
+    SELECT ctid, row_number() OVER (ORDER BY priority DESC, id) AS rn
+    FROM (SELECT ctid, id, priority FROM gpuq.jobs
+          WHERE ctid = ANY(ARRAY(SELECT ctid FROM allowed)) AND status = 'pending'
+          FOR UPDATE SKIP LOCKED) locked
+)
+UPDATE gpuq.jobs j
+SET status = 'leased', attempts = j.attempts + 1, lease_token = gen_random_uuid(), leased_by = s.agent,
+    lease_expires_at = now() + make_interval(secs => $4), started_at = clock_timestamp(),
+    deadline_at = now() + make_interval(secs => coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)))
+FROM picked p
+JOIN unnest($3::text[]) WITH ORDINALITY AS s(agent, slot) ON s.slot = p.rn
+WHERE j.ctid = p.ctid
+RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token, j.priority, j.leased_by,
+          j.payload::text AS payload_json, s.slot,
+          coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds;
+
+-- name: limit_set
+-- At most $3 jobs leased at once under scope $1 ('kind' or 'key') and name $2 (NULL: no limit); wakes the dispatchers.
+WITH cleared AS (DELETE FROM gpuq.limits WHERE scope = $1 AND name = $2 AND $3::int IS NULL RETURNING name),
+set AS (
+    INSERT INTO gpuq.limits (scope, name, max_running) SELECT $1, $2, $3 WHERE $3::int IS NOT NULL
+    ON CONFLICT (scope, name) DO UPDATE SET max_running = excluded.max_running
+    RETURNING name
+)
+SELECT pg_notify('gpuq_jobs', '*');
+
+-- name: limits
+-- Every limit, with the jobs leased under it now (jobs_leased_idx for a kind, jobs_running_key_idx for a key).
+SELECT l.scope, l.name, l.max_running,
+       CASE l.scope WHEN 'kind' THEN (SELECT count(*) FROM gpuq.jobs j WHERE j.status = 'leased' AND j.kind = l.name)
+                    ELSE (SELECT count(*) FROM gpuq.jobs j WHERE j.status = 'leased' AND j.concurrency_key = l.name)
+       END AS running
+FROM gpuq.limits l ORDER BY l.scope, l.name;
 
 -- name: shapes
 -- Every placement shape enqueued so far, with what its jobs need (a handful of rows).
@@ -321,7 +394,8 @@ SELECT id, was FROM gpuq.cancel($1::bigint[]);
 -- Every column of job $1, payload and result as JSON text.
 SELECT id, kind, status::text AS status, priority, attempts, max_attempts, payload::text AS payload,
        result::text AS result, last_error, leased_by, lease_expires_at, run_at, created_at, started_at,
-       finished_at, dedup_key, timeout_seconds, deadline_at, progress::text AS progress
+       finished_at, dedup_key, timeout_seconds, deadline_at, progress::text AS progress,
+       gpus, gpu_memory_mb, labels, model, concurrency_key
 FROM gpuq.jobs WHERE id = $1;
 
 -- name: pause_kind
