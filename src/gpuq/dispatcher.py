@@ -429,6 +429,9 @@ class Dispatcher:
         A shape whose last lease came up short is not tried again until its
         kind is notified or a poll comes, like a group in ``_empty``.
         """
+        if not self.sessions:
+            self._shapes_stale = self._shapes_stale or everything or bool(notified)
+            return  # nobody to place on: read the shapes when an agent comes
         await self._refresh_shapes(everything or bool(notified))
         if everything:
             self._placed_empty.clear()

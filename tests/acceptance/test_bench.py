@@ -113,3 +113,11 @@ def test_control_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> No
     assert {"cancel_p50_ms", "cancel_p99_ms", "wait_p50_ms", "wait_p99_ms", "lost", "progress_throughput_ratio",
             "plain_jobs_per_s", "progress_jobs_per_s", "progress_rows"} <= got.keys()
     assert got["lost"] == 0
+
+
+def test_placement_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    got = run_bench(capsys, server_dsn, "placement", "--agents", "2", "--devices", "2", "--models", "3",
+                    "--jobs", "12", "--load-seconds", "0.01", "--rate", "200")
+    assert {"violations", "cold_loads_per_1000", "blind_cold_loads_per_1000", "cold_load_ratio", "p99_wait_s",
+            "jobs_per_s", "blind_jobs_per_s"} <= got.keys()
+    assert got["violations"] == 0

@@ -53,5 +53,3 @@ async def test_kind_and_key_limits_are_never_exceeded_by_two_servers(dsn):
     tenant_a = [(r["s"], r["e"]) for r in rows if r["concurrency_key"] == "tenant-a"]
     assert most_at_once(render) <= 3 and most_at_once(tenant_a) <= 2
     assert most_at_once([(r["s"], r["e"]) for r in rows if r["kind"] == "train"]) > 2  # tenant-b was not held
-    servers = {r["leased_by"][:2] for r in rows if r["kind"] == "render"}
-    assert servers == {"s0", "s1"}  # both servers leased limited jobs

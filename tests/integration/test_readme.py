@@ -41,7 +41,7 @@ async def test_the_python_producer_example(pool):
 
 
 async def test_the_ten_line_agent_example_runs_jobs(dsn, pool):
-    [agent_code] = [b for b in blocks("python") if "class" not in b and "Agent(" in b]
+    [agent_code] = [b for b in blocks("python") if "class" not in b and "Agent(" in b and "devices" not in b]
     assert agent_code.rstrip().splitlines()[-1].startswith(RUN_LINE)
     body = agent_code.replace(RUN_LINE, "")
     async with running_server(dsn, tokens=frozenset({"s3cret"})) as srv:
@@ -81,3 +81,20 @@ async def test_the_long_jobs_example_cancels_a_job_and_shows_it(pool):
     assert job.reported == [(0.0, "step 0/2", {"loss": 1.0}), (0.5, "step 1/2", {"loss": 0.5})]
     job.cancelled = True
     assert namespace["train"](job) == {"stopped_at": 0}
+
+
+async def test_the_gpu_example_runs_a_two_gpu_job_on_its_two_devices(dsn, pool):
+    [agent_code] = [b for b in blocks("python") if "Agent(" in b and "job.devices" in b]
+    [producer] = [b for b in blocks("python") if "gpus=2" in b and "Agent(" not in b]
+    run_line = next(line for line in agent_code.splitlines() if line.startswith(RUN_LINE))
+    async with running_server(dsn, tokens=frozenset({"s3cret"})) as srv:
+        namespace: dict = {}
+        await run_python(agent_code.replace(run_line, "").replace("ws://127.0.0.1:8765/agent", srv.url), namespace)
+        agent = namespace["agent"]
+        srv.agents.append(agent)
+        srv.tg.start_soon(agent.run)
+        await run_python(producer, {"gpuq": __import__("gpuq"), "dsn_or_pool": pool, **namespace})
+        job_id = await pool.fetchval("SELECT max(id) FROM gpuq.jobs")
+        await wait_status(pool, job_id, "done")
+    result = await pool.fetchval("SELECT result->>'saw' FROM gpuq.jobs WHERE id = $1", job_id)
+    assert result == "0,1"

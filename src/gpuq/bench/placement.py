@@ -1,0 +1,148 @@
+"""``gpuq bench placement``: warm-model placement against a model-blind one, same jobs, same run.
+
+A ``gpuq serve`` and ``--agents`` agents of ``--devices`` devices each run in
+this process (``gpuq.harness``). ``--models`` models; each agent holds at most
+``--warm`` warm (least recently used goes). ``--jobs`` jobs arrive at random
+(``--rate`` a second), a mix of 1-, 2- and 4-GPU jobs, each naming a model;
+the handler sleeps ``--load-seconds`` when its model is cold on its agent
+(then tells the server, ``agent.set_models``), then a random 0.05-0.2 s of
+work. The same job sequence runs twice: with ``model=`` (placement prefers a
+warm agent) and without (blind: any agent that fits). Every handler checks
+the hard rules: ``violations`` counts jobs given the wrong number of devices
+or a device another running job held (must be 0).
+
+Figures: ``cold_loads_per_1000`` (and blind), their ratio
+``cold_load_ratio`` (issue #16's target: <= 0.25), ``p99_wait_s`` of
+multi-GPU jobs (enqueue to handler start), ``jobs_per_s`` (and blind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import OrderedDict
+from typing import Any
+
+import anyio
+
+import gpuq
+from gpuq.bench import common
+from gpuq.bench.measure import percentiles
+from gpuq.db import create_pool
+from gpuq.harness import running_server
+from gpuq.protocol import Device
+
+KIND = "train"
+GPU_MIX = (1, 1, 1, 1, 2, 2, 4)  # GPUs per job, drawn uniformly
+
+
+def register(sub: Any) -> None:
+    def args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--agents", type=common.positive_int, default=16, help="agents (default 16)")
+        p.add_argument("--devices", type=common.positive_int, default=4, help="devices per agent (default 4)")
+        p.add_argument("--models", type=common.positive_int, default=12, help="models (default 12)")
+        p.add_argument("--warm", type=common.positive_int, default=2, help="warm models per agent (default 2)")
+        p.add_argument("--jobs", type=common.positive_int, default=1000, help="jobs per run (default 1000)")
+        p.add_argument("--rate", type=common.positive_float, default=250.0,
+                       help="arrivals a second, at random (default 250)")
+        p.add_argument("--load-seconds", type=common.positive_float, default=0.5,
+                       help="a cold model's load time (default 0.5)")
+        p.add_argument("--seed", type=int, default=16, help="the job sequence's seed (default 16)")
+
+    async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
+        rng = random.Random(a.seed)
+        jobs = [(min(rng.choice(GPU_MIX), a.devices), f"model-{rng.randrange(a.models)}", rng.uniform(0.05, 0.2),
+                 rng.expovariate(a.rate)) for _ in range(a.jobs)]
+        runs = {}
+        for mode in ("placed", "blind"):
+            common.progress(f"{mode}: {a.jobs} jobs on {a.agents} agents x {a.devices} devices")
+            runs[mode] = await run(t.dsn, a, jobs, warm_preference=mode == "placed")
+        placed, blind = runs["placed"], runs["blind"]
+        return {"bench": "placement", "agents": a.agents, "devices": a.devices, "models": a.models,
+                "jobs": a.jobs, "load_seconds": a.load_seconds,
+                "violations": placed["violations"] + blind["violations"],
+                "cold_loads_per_1000": placed["cold_per_1000"], "blind_cold_loads_per_1000": blind["cold_per_1000"],
+                "cold_load_ratio": round(placed["cold_per_1000"] / blind["cold_per_1000"], 3)
+                if blind["cold_per_1000"] else None,
+                "p99_wait_s": placed["multi_p99_s"], "blind_p99_wait_s": blind["multi_p99_s"],
+                "jobs_per_s": placed["jobs_per_s"], "blind_jobs_per_s": blind["jobs_per_s"]}
+
+    common.declare(sub, "placement", "warm-model GPU placement vs model-blind: cold loads, waits, jobs/s",
+                   __doc__, args, body, report,
+                   failures=lambda r: [f"{r['violations']} placement violations"] if r["violations"] else [])
+
+
+class Box:
+    """One simulated agent: its warm models (LRU) and the devices its running jobs hold."""
+
+    def __init__(self, warm: int) -> None:
+        self.warm: OrderedDict[str, None] = OrderedDict()
+        self.capacity = warm
+        self.in_use: set[int] = set()
+        self.agent: Any = None
+
+
+async def run(dsn: str, a: argparse.Namespace, jobs: list[tuple[int, str, float, float]],
+              warm_preference: bool) -> dict[str, Any]:
+    await common.reset_gpuq_schema(dsn)
+    counts = {"cold": 0, "violations": 0, "done": 0}
+    multi_waits: list[float] = []
+    boxes = [Box(a.warm) for _ in range(a.agents)]
+
+    def handler(box: Box):
+        async def handle(job: Any) -> None:
+            start = time.time()
+            gpus, model, work, sent = job.payload["gpus"], job.payload["model"], job.payload["work"], job.payload["t"]
+            held = set(job.devices)
+            if len(held) != gpus or held & box.in_use:
+                counts["violations"] += 1
+            box.in_use |= held
+            if gpus > 1:
+                multi_waits.append(start - sent)
+            if model in box.warm:
+                box.warm.move_to_end(model)
+            else:
+                counts["cold"] += 1
+                await anyio.sleep(a.load_seconds)
+                box.warm[model] = None
+                while len(box.warm) > box.capacity:
+                    box.warm.popitem(last=False)
+                box.agent.set_models(list(box.warm))
+            await anyio.sleep(work)
+            box.in_use -= held
+            counts["done"] += 1
+        return handle
+
+    async with await create_pool(dsn, min_size=1, max_size=4) as pool, \
+            running_server(dsn, poll_seconds=1, reserve_after_seconds=2) as srv:
+        for i, box in enumerate(boxes):
+            box.agent = await srv.agent([KIND], 1, handler(box), f"gpu-{i}",
+                                        devices=[Device(d, "sim", 81920) for d in range(a.devices)])
+        began = time.time()
+        for gpus, model, work, gap in jobs:
+            await anyio.sleep(gap)
+            await gpuq.enqueue(pool, KIND, {"gpus": gpus, "model": model, "work": work,
+                                                                "t": time.time()},
+                               gpus=gpus, model=model if warm_preference else None)
+        with anyio.fail_after(600):
+            while counts["done"] < len(jobs):
+                await anyio.sleep(0.02)
+        elapsed = time.time() - began
+    waits = percentiles([w * 1000 for w in multi_waits])
+    return {"violations": counts["violations"], "cold_per_1000": round(counts["cold"] * 1000 / len(jobs), 1),
+            "multi_p99_s": round(waits["p99_ms"] / 1000, 3) if waits else None,
+            "jobs_per_s": round(len(jobs) / elapsed, 1)}
+
+
+def report(r: dict[str, Any]) -> None:
+    common.print_table(["", "cold loads / 1000 jobs", "multi-GPU p99 wait s", "jobs/s"],
+                       [["warm-model placement", r["cold_loads_per_1000"], r["p99_wait_s"], r["jobs_per_s"]],
+                        ["model-blind", r["blind_cold_loads_per_1000"], r["blind_p99_wait_s"], r["blind_jobs_per_s"]]],
+                       title=f"placement: {r['jobs']} jobs, {r['agents']} agents x {r['devices']} devices, "
+                             f"{r['models']} models, {r['load_seconds']} s cold load")
+    print(f"cold_load_ratio: {r['cold_load_ratio']} (target <= 0.25)   violations: {r['violations']}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(common.standalone("placement"))
