@@ -492,7 +492,6 @@ class Dispatcher:
         """Pending placed jobs no connected agent could run, per kind, with the reason (for /status)."""
         pending = await queue.placed_pending(self.pool)
         if any(key not in self._shapes for key in pending):
-            self._shapes_stale = True
             await self._refresh_shapes(True)
         out: dict[str, list[dict[str, Any]]] = {}
         for key, (n, oldest) in sorted(pending.items()):
