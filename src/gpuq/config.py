@@ -139,6 +139,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("reserve_after_seconds", "GPUQ_RESERVE_AFTER", 60.0, parse_duration,
             "a multi-GPU job waiting this long gets an agent reserved: no other GPU job starts there "
             "until enough of its devices are free", {SERVE: "--reserve-after"}),
+    Setting("warm_wait_seconds", "GPUQ_WARM_WAIT", 5.0, parse_duration,
+            "a job naming a model waits up to this long for an agent holding it warm before it goes to "
+            "one that must load it (0: never waits); set it near your models' load time",
+            {SERVE: "--warm-wait"}),
     Setting("sweep_seconds", "GPUQ_SWEEP_SECONDS", 2.0, parse_duration,
             "interval of the maintenance services (reclaim, promote, retention)",
             {"sweep": "--interval"}, used_by="serve, sweep"),
@@ -251,6 +255,7 @@ class ServerConfig:
     max_connections_per_ip: int = default("max_connections_per_ip")
     max_messages_per_second: int = default("max_messages_per_second")
     reserve_after_seconds: float = default("reserve_after_seconds")
+    warm_wait_seconds: float = default("warm_wait_seconds")
 
     def __post_init__(self) -> None:
         for name in ("lease_seconds", "heartbeat_seconds", "poll_seconds", "busy_poll_seconds", "sweep_seconds", "drain_seconds",
@@ -262,6 +267,8 @@ class ServerConfig:
                 f"heartbeat_seconds ({self.heartbeat_seconds}) must be shorter than lease_seconds "
                 f"({self.lease_seconds}), or leases expire between heartbeats"
             )
+        if self.warm_wait_seconds < 0:
+            raise ConfigError(f"warm_wait_seconds must be 0 or more, not {self.warm_wait_seconds}")
         if self.max_payload < 1024:
             raise ConfigError(f"max_payload must be at least 1024 bytes, not {self.max_payload}")
         for name in ("max_batch", "max_connections", "max_connections_per_ip", "max_messages_per_second"):

@@ -180,6 +180,7 @@ class Dispatcher:
         self._key_limits = False
         self.reserved: dict[str, tuple[str, str]] = {}  # agent id -> the multi-GPU shape it is kept for
         self._reserve_at = 0.0
+        self._cold_at: dict[tuple[str, str], float] = {}  # shape -> when its next job may go to a cold agent
 
     # -- agents ----------------------------------------------------------
 
@@ -330,13 +331,14 @@ class Dispatcher:
         """Wait for a reason to lease (a notification, freed credit, a poll), then lease."""
         polled = False
         if not self._wake.is_set():
-            timeout = await self._wait_limit()
+            timeout = _earliest(await self._wait_limit(), self._cold_wait())
             with anyio.move_on_after(timeout) as scope:
                 await self._wake.wait()
             if scope.cancelled_caught:
                 if self._poll_due():
                     self._notified_all = polled = True  # poll: look at every group
-                elif not self._shapes_due():  # else a pass reads the shapes a throttled one left unread
+                elif not self._shapes_due() and self._cold_wait() != 0:
+                    # else a pass reads the shapes a throttled one left unread, or places held jobs cold
                     return  # only the mark to arm again, or stragglers to check
         self._wake = anyio.Event()  # wakes during the pass trigger another pass
         if not self.stopping:
@@ -379,6 +381,12 @@ class Dispatcher:
         self._arm_at = now + (armed.until - armed.now_ms) / 2000  # half the mark's life left
         if lapsed:
             self._stragglers, self._owe_pass = armed.stragglers, True
+
+    def _cold_wait(self) -> float | None:
+        """Seconds until a job held for a warm agent may go cold (None: none held, or no room)."""
+        if not self._cold_at or not self._any_free():
+            return None
+        return max(0.0, min(self._cold_at.values()) - time.monotonic())
 
     def _poll_due(self) -> bool:
         return self._busy or not self.listening or time.monotonic() - self._polled_at >= self.config.poll_seconds
@@ -439,25 +447,54 @@ class Dispatcher:
             self._placed_empty = {key for key in self._placed_empty if key[0] not in notified}
         await self._reserve()
         work = [*self._shapes.items(), *(((k, ""), queue.Shape.of_plain(k)) for k in self._limited_kinds)]
-        for key, shape in work:
-            while key not in self._placed_empty and not self.stopping:
-                slots = placement.slots(shape, self.sessions.values(), self.config.max_batch, self.reserved)
-                if not slots:
-                    break
-                with metrics.LEASE_SECONDS.time():
-                    if self._limited(shape):
-                        jobs = await queue.lease_limited(self.pool, shape, slots, self.config.lease_seconds,
-                                                         scan_keys=shape.keyed and self._key_limits)
-                    else:
-                        jobs = await queue.lease_placed(self.pool, shape, slots, self.config.lease_seconds)
-                self._busy = self._busy or bool(jobs)
-                self._deliver(jobs)
-                if jobs:
-                    log.info("lease.placed", batch=len(jobs), requested=len(slots), kind=shape.kind,
-                             gpus=shape.gpus, model=shape.model, agents=len({j.leased_by for j in jobs}))
-                    self._unreserve(key)
-                if len(jobs) < len(slots):
-                    self._placed_empty.add(key)
+        for warm_only in (True, False):  # every shape's warm agents first, then the rest
+            for key, shape in work:
+                await self._lease_shape(key, shape, warm_only)
+        self._cold_at = {key: at for key, at in self._cold_at.items() if key not in self._placed_empty}
+
+    async def _lease_shape(self, key: tuple[str, str], shape: queue.Shape, warm_only: bool) -> None:
+        while key not in self._placed_empty and not self.stopping:
+            slots = placement.slots(shape, self.sessions.values(), self.config.max_batch, self.reserved, warm_only)
+            if not slots:
+                if not warm_only:
+                    self._cold_at.pop(key, None)  # a hold counts only while a cold agent has room
+                return
+            if not warm_only and not (slots := self._cold_slots(key, shape, slots)):
+                return
+            with metrics.LEASE_SECONDS.time():
+                if self._limited(shape):
+                    jobs = await queue.lease_limited(self.pool, shape, slots, self.config.lease_seconds,
+                                                     scan_keys=shape.keyed and self._key_limits)
+                else:
+                    jobs = await queue.lease_placed(self.pool, shape, slots, self.config.lease_seconds)
+            self._busy = self._busy or bool(jobs)
+            self._deliver(jobs)
+            if jobs:
+                log.info("lease.placed", batch=len(jobs), requested=len(slots), kind=shape.kind,
+                         gpus=shape.gpus, model=shape.model, agents=len({j.leased_by for j in jobs}))
+                self._unreserve(key)
+            if len(jobs) < len(slots):
+                self._placed_empty.add(key)
+
+    def _cold_slots(self, key: tuple[str, str], shape: queue.Shape, slots: list[str]) -> list[str]:
+        """Of the agents that could take a shape's jobs but do not hold their model warm, those
+        that may: all when no connected agent holds it; else none until one of them had room
+        for warm_wait_seconds, then one agent (to load it).
+
+        The hold counts from the first pass that kept a cold agent's room from
+        the shape, not from the job's enqueue: in a backlog every job is old,
+        and spilling each to a cold agent at once would evict the models the
+        next jobs want. After a spill the next hold starts afresh, so a model
+        in more demand than its warm agents serve spreads one agent per wait.
+        """
+        if not shape.model or not self.config.warm_wait_seconds \
+                or not placement.warm_somewhere(shape, self.sessions.values()):
+            return slots
+        now = time.monotonic()
+        if self._cold_at.setdefault(key, now + self.config.warm_wait_seconds) > now:
+            return []  # the pass then is due (_cold_wait)
+        del self._cold_at[key]
+        return [sid for sid in slots if sid == slots[0]]
 
     async def _reserve(self) -> None:
         """Keep an agent for each multi-GPU shape whose next job has waited past reserve_after_seconds.
@@ -660,6 +697,11 @@ class Dispatcher:
             except db.RETRYABLE_ERRORS as exc:
                 log.warning("dispatcher.release_failed", error=str(exc), count=len(left))
         log.info("dispatcher.drained", released=len(left))
+
+
+def _earliest(*waits: float | None) -> float | None:
+    """The shortest of some waits, None standing for forever."""
+    return min((w for w in waits if w is not None), default=None)
 
 
 def _interleave(members: list[AgentSession], limit: int) -> list[str]:

@@ -10,7 +10,9 @@ placement"):
 - a job without GPUs takes the agent's plain credit (``capacity``); one with
   GPUs takes devices, one job per device;
 - among agents that fit, those holding the job's model warm come first;
-  the rest are taken round-robin;
+  the rest are taken round-robin; while an agent that holds it warm is
+  connected, the job waits for it up to ``warm_wait_seconds`` before it goes
+  to a cold one (the dispatcher's rule: it needs the job's wait);
 - an agent reserved for a multi-GPU shape (its next job waited past
   ``reserve_after_seconds``) gives its devices to that shape alone, so
   single-GPU jobs cannot keep it from ever having enough free at once.
@@ -74,14 +76,26 @@ def room(shape: Shape, agent: Candidate, reserved: Mapping[str, ShapeKey] = NONE
     return len(agent.free_devices(shape.gpu_memory_mb or 0)) // shape.gpus
 
 
-def slots(shape: Shape, agents: Iterable[Candidate], limit: int, reserved: Mapping[str, ShapeKey] = NONE) -> list[str]:
-    """Agent ids, one per job to lease now, at most ``limit``: warm agents first, each round-robin."""
+def slots(shape: Shape, agents: Iterable[Candidate], limit: int, reserved: Mapping[str, ShapeKey] = NONE,
+          warm_only: bool = False) -> list[str]:
+    """Agent ids, one per job to lease now, at most ``limit``: warm agents first, each round-robin
+    (``warm_only``: none of the others)."""
     warm: list[list[str]] = []
     cold: list[list[str]] = []
     for agent in agents:
         if n := room(shape, agent, reserved):
-            (warm if shape.model is not None and shape.model in agent.models else cold).append([agent.id] * n)
-    return (_round_robin(warm) + _round_robin(cold))[:limit]
+            (warm if holds_warm(shape, agent) else cold).append([agent.id] * n)
+    return (_round_robin(warm) + ([] if warm_only else _round_robin(cold)))[:limit]
+
+
+def holds_warm(shape: Shape, agent: Candidate) -> bool:
+    return shape.model is not None and shape.model in agent.models
+
+
+def warm_somewhere(shape: Shape, agents: Iterable[Candidate]) -> bool:
+    """Whether an agent that could run ``shape``'s jobs holds its model warm, busy or not: then
+    they may wait a little for it (``warm_wait_seconds``) before going to a cold one."""
+    return any(holds_warm(shape, a) and not a.draining and could_run(shape, a) for a in agents)
 
 
 def reserve(shape: Shape, agents: Iterable[Candidate], taken: Iterable[str]) -> str | None:

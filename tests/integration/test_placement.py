@@ -212,6 +212,63 @@ async def test_a_job_goes_where_its_model_is_warm(dsn, live_conn):
         assert runs[-1][0] == "cold"
 
 
+async def _warm_agent_busy(srv, conn, runs: list, release: anyio.Event, cold: int = 1) -> None:
+    """A 'warm' agent holding llama, busy with a llama job until ``release``; ``cold`` free agents
+    'cold', 'cold1', ... that hold no model (their jobs too run until ``release``)."""
+    for i in range(cold):
+        name = f"cold{i or ''}"
+        await srv.agent(["train"], 1, recorder(name, runs, release), name, devices=H100S[:1])
+    await srv.agent(["train"], 1, recorder("warm", runs, release), "warm", devices=H100S[:1], models=["llama"])
+    await enqueue(conn, "train", gpus=1, model="llama")
+
+    async def busy() -> bool:
+        return [r[0] for r in runs] == ["warm"]
+
+    await wait_for(busy)
+
+
+async def test_a_job_waits_for_its_busy_warm_agent_rather_than_load_cold(dsn, live_conn):
+    runs: list = []
+    release = anyio.Event()
+    async with running_server(dsn, poll_seconds=60, warm_wait_seconds=30) as srv:
+        await _warm_agent_busy(srv, live_conn, runs, release)
+        held = await enqueue(live_conn, "train", gpus=1, model="llama")
+        nowhere_warm = await enqueue(live_conn, "train", gpus=1, model="sdxl")  # no point waiting: goes at once
+
+        async def second() -> bool:
+            return len(runs) == 2
+
+        await wait_for(second)
+        assert runs[1][:2] == ("cold", nowhere_warm)
+        await anyio.sleep(0.3)
+        assert len(runs) == 2  # the cold agent is free again, but llama is warm on the busy one
+        release.set()
+
+        async def third() -> bool:
+            return len(runs) == 3
+
+        await wait_for(third)
+        assert runs[2][:2] == ("warm", held)
+
+
+async def test_held_jobs_go_cold_one_agent_per_warm_wait(dsn, live_conn):
+    runs: list = []
+    release = anyio.Event()
+    async with running_server(dsn, poll_seconds=60, warm_wait_seconds=0.3) as srv:  # no poll: a timer wakes it
+        await _warm_agent_busy(srv, live_conn, runs, release, cold=2)
+        held = [await enqueue(live_conn, "train", gpus=1, model="llama") for _ in range(2)]
+
+        async def spilled() -> bool:
+            return len(runs) == 3
+
+        await wait_for(spilled)
+        assert {r[0] for r in runs[1:]} == {"cold", "cold1"} and sorted(r[1] for r in runs[1:]) == held
+        started = await live_conn.fetch("SELECT started_at FROM gpuq.jobs WHERE id = ANY($1) ORDER BY 1", held)
+        assert (started[1][0] - started[0][0]).total_seconds() >= 0.3  # a second hold before the second load
+        assert not release.is_set()
+        release.set()
+
+
 async def _models_are(srv, models) -> bool:
     return any(a["models"] == models for a in (await status(srv))["agents"])
 

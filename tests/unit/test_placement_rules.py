@@ -64,6 +64,18 @@ def test_warm_agents_come_first_then_the_rest_round_robin():
         "warm", "warm", "a", "b", "a", "b"]
     assert placement.slots(shape(1, model="llama"), [cold_a, warm, cold_b], 3) == ["warm", "warm", "a"]
     assert placement.slots(shape(1), [cold_a, cold_b], 10) == ["a", "b", "a", "b"]
+    assert placement.slots(shape(1, model="llama"), [cold_a, warm, cold_b], 10, warm_only=True) == ["warm", "warm"]
+    assert placement.slots(shape(1), [cold_a, cold_b], 10, warm_only=True) == []
+
+
+def test_a_model_counts_as_warm_somewhere_only_on_an_agent_that_could_run_the_job():
+    llama = frozenset({"llama"})
+    busy = Box("busy", models=llama, devices=gpus(1), used={0})
+    assert placement.warm_somewhere(shape(1, model="llama"), [busy, Box("cold", devices=gpus(1))])  # busy or not
+    assert not placement.warm_somewhere(shape(2, model="llama"), [busy])  # one device: it could never run it
+    assert not placement.warm_somewhere(shape(1, model="llama"), [Box("leaving", models=llama, devices=gpus(1),
+                                                                      draining=True)])
+    assert not placement.warm_somewhere(shape(1, model="sdxl"), [busy])
 
 
 def test_the_reason_names_the_first_requirement_nobody_meets():

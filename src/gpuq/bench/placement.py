@@ -115,7 +115,7 @@ async def run(dsn: str, a: argparse.Namespace, jobs: list[tuple[int, str, float,
         return handle
 
     async with await create_pool(dsn, min_size=1, max_size=4) as pool, \
-            running_server(dsn, poll_seconds=1, reserve_after_seconds=2) as srv:
+            running_server(dsn, poll_seconds=1, reserve_after_seconds=2, warm_wait_seconds=a.load_seconds) as srv:
         for i, box in enumerate(boxes):
             box.agent = await srv.agent([KIND], 1, handler(box), f"gpu-{i}",
                                         devices=[Device(d, "sim", 81920) for d in range(a.devices)])

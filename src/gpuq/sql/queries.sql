@@ -226,7 +226,7 @@ SELECT kind, shape, gpus, gpu_memory_mb, labels, model, keyed FROM gpuq.shapes;
 -- name: placed_head
 -- Seconds the next pending job of kind $1 and shape $2 has been due (jobs_placed_idx; no row: none pending).
 SELECT extract(epoch FROM now() - run_at)::float8 AS waited FROM gpuq.jobs
-WHERE status = 'pending' AND shape IS NOT NULL AND kind = $1 AND shape = $2
+WHERE status = 'pending' AND shape IS NOT NULL AND kind = $1 AND shape = $2 AND run_at <= now()
 ORDER BY priority DESC, id LIMIT 1;
 
 -- name: placed_pending
