@@ -21,12 +21,12 @@ dev: $(STAMP)
 # $$DATABASE_URL, whose gpuq schema the tests drop and recreate). pytest's exit
 # code 5 ("no tests collected") is non-zero, so make fails on it like on any failure.
 test: $(STAMP)
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests examples
 	$(BIN)/mypy src/gpuq
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests examples
 
 typecheck: $(STAMP)
 	$(BIN)/mypy src/gpuq

@@ -7,11 +7,12 @@ import asyncpg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuq import queue
+from gpuq import plans, queue
 from gpuq.agent import run_process
 from gpuq.harness import http_get, next_of, raw_agent, running_server
 from gpuq.producer import enqueue
 from gpuq.protocol import Device
+from gpuq.sql import queries
 from tests.helpers import wait_for
 
 H100S = [Device(0, "h100", 81920), Device(1, "h100", 81920)]
@@ -309,3 +310,37 @@ async def test_a_multi_gpu_job_gets_an_agent_reserved_after_waiting(dsn, live_co
     # still pending after 4 s): a device frees one at a time, and a 1-GPU job takes it.
     assert await _two_gpu_job_runs_during_a_stream(dsn, live_conn, reserve_after=0.3, within=10) is not None
 
+
+
+async def _add_jobs(conn, n: int, gpus: int = 0, labels: tuple[str, ...] = (), priority: int = 0) -> None:
+    await conn.execute("INSERT INTO gpuq.jobs (kind, payload, gpus, labels, priority) "
+                       "SELECT 'train', '{}', $2, $3, $4 FROM generate_series(1, $1)", n, gpus, list(labels), priority)
+
+
+async def _lease_buffers(conn) -> dict[str, int]:
+    """Buffers a 32-job lease reads of 1-GPU jobs (lease_placed) and of plain ones (lease_slots)."""
+    await conn.execute("ANALYZE gpuq.jobs")
+    [one_gpu] = [s for s in await queue.shapes(conn) if s.gpus == 1 and not s.labels]
+    slots = ["explain"] * 32
+    statements = {"placed": (queries["lease_placed"], one_gpu.kind, one_gpu.shape, slots, 30.0),
+                  "plain": (queries["lease_slots"], *plans.lease_args(["train"], slots, 30.0))}
+    out = {}
+    for name, (statement, *args) in statements.items():
+        await plans.explain(conn, statement, *args)  # warm the caches and the plan
+        out[name] = plans.plan_buffers(await plans.explain(conn, statement, *args))
+    return out
+
+
+async def test_100k_unplaceable_jobs_ahead_cost_a_lease_nothing(conn):
+    """Issue #16: jobs waiting for a label nobody has, ahead of placeable ones, are not read by leases."""
+    await _add_jobs(conn, 200, gpus=1)
+    await _add_jobs(conn, 200)
+    without = await _lease_buffers(conn)
+
+    await conn.execute("TRUNCATE gpuq.jobs RESTART IDENTITY")
+    await _add_jobs(conn, 100_000, gpus=1, labels=("gpu=b200",), priority=9)  # first in line, and first by id
+    await _add_jobs(conn, 200, gpus=1)
+    await _add_jobs(conn, 200)
+    with_them = await _lease_buffers(conn)
+    for name in without:
+        assert with_them[name] <= without[name] * 1.5, (name, without, with_them)
