@@ -77,7 +77,7 @@ class NewJob:
                     or self.concurrency_key is not None)
 
     def __post_init__(self) -> None:
-        # The same rules as the table's CHECK constraints, as readable errors.
+        # The table's rules (the kind CHECK, the placement trigger), as readable errors.
         if not is_kind(self.kind):
             raise ValueError(f"bad job kind {self.kind!r}: {KIND_RULE}")
         if not -32767 <= self.priority <= 32767:
@@ -109,7 +109,7 @@ class Backoff:
 # future starts 'scheduled' and the sweeper promotes it when due.
 def check_placement(gpus: int, gpu_memory_mb: int | None, labels: Sequence[str], model: str | None,
                     concurrency_key: str | None) -> None:
-    """The table's placement CHECKs, as readable errors before the insert (``ValueError``)."""
+    """The placement trigger's rules (migration 0014), as readable errors before the insert (``ValueError``)."""
     if isinstance(labels, str):
         raise ValueError(f"labels must be a list of labels, not the string {labels!r}")
     if not 0 <= gpus <= 64:

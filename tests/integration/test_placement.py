@@ -91,14 +91,24 @@ def test_a_bad_requirement_is_a_clear_error_before_the_insert(values):
         queue.NewJob("train", **values)
 
 
-@pytest.mark.parametrize("columns", [
-    "gpus => -1", "gpu_memory_mb => 4096", "labels => '{\"has space\"}'", "labels => '{NULL}'",
-    "model => ''", "concurrency_key => ''", "shape => 'forged'",
+@pytest.mark.parametrize(("columns", "rule"), [
+    ("gpus => -1", "gpus"), ("gpu_memory_mb => 4096", "gpu_memory"), ("labels => '{\"has space\"}'", "labels"),
+    ("labels => '{NULL}'", "labels"), ("model => ''", "model"), ("concurrency_key => ''", "concurrency_key"),
+    ("shape => 'forged'", "shape"),
 ])
-async def test_plain_sql_with_a_bad_requirement_fails_the_insert(conn, columns):
+async def test_plain_sql_with_a_bad_requirement_fails_the_insert(conn, columns, rule):
     column, value = columns.split(" => ")
-    with pytest.raises(asyncpg.CheckViolationError):
+    with pytest.raises(asyncpg.CheckViolationError) as failed:
         await conn.execute(f"INSERT INTO gpuq.jobs (kind, {column}) VALUES ('train', {value})")  # noqa: S608 - test constants
+    assert failed.value.constraint_name == f"jobs_{rule}_check" and column in failed.value.message
+
+
+async def test_an_update_cannot_make_a_requirement_bad_or_forge_a_shape(conn):
+    job_id = await conn.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('train') RETURNING id")
+    for assignment in ("gpus = 65", "shape = 'forged'", "model = 'no spaces please'"):
+        with pytest.raises(asyncpg.CheckViolationError):
+            async with conn.transaction():
+                await conn.execute(f"UPDATE gpuq.jobs SET {assignment} WHERE id = $1", job_id)  # noqa: S608
 
 
 async def test_the_shape_follows_the_requirements_through_sql_updates(conn):
