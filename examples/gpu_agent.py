@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -86,7 +87,9 @@ async def main() -> None:
     devices = gpus.detect() if devices is None else devices
     if not devices:
         p.error("no GPU found through NVML: give --devices NAME:MEMORY,... to run the stand-in")
-    # Device indices are NVML's; a framework numbers the devices it sees 0, 1, ... in the same order.
+    # Device indices are NVML's (PCI order); with this, CUDA numbers the devices it sees 0, 1, ...
+    # in that order too (by default it puts the fastest first).
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     models = {d.index: load(ordinal) for ordinal, d in enumerate(devices)}
     agent = Agent(a.url, a.token, ["embed"], 1, handler(models), a.name, devices=devices, models=[MODEL])
     await agent.run_until_signal()

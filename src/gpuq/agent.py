@@ -319,13 +319,16 @@ async def run_process(*argv: str, grace_seconds: float = 10.0, devices: Iterable
     """Run a program from an async handler and wait for it; its output is captured.
 
     ``devices`` (pass ``job.devices``): the process sees only those GPUs, through
-    ``CUDA_VISIBLE_DEVICES`` in its environment (``env=`` still applies to the rest).
+    ``CUDA_VISIBLE_DEVICES`` in its environment, with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``
+    so that CUDA numbers them as NVML does (its default puts the fastest first);
+    ``env=`` still applies to the rest.
     If the handler is cancelled (``gpuq cancel``, or the agent stopping), the
     process gets SIGTERM, then SIGKILL if it is still there after
     ``grace_seconds``, before the cancellation goes on.
     """
     if devices is not None:
-        kwargs["env"] = {**(kwargs.get("env") or os.environ), "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
+        kwargs["env"] = {**(kwargs.get("env") or os.environ), "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                         "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
     proc = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
     try:
         out, err = await proc.communicate()

@@ -134,6 +134,7 @@ def recorder(name: str, runs: list, release: anyio.Event | None = None):
         if release is not None:
             await release.wait()
         out = await run_process("sh", "-c", "echo $CUDA_VISIBLE_DEVICES", devices=job.devices)
+        assert (await run_process("sh", "-c", "echo $CUDA_DEVICE_ORDER", devices=job.devices)).stdout == b"PCI_BUS_ID\n"
         return out.stdout.decode().strip()
     return handler
 
