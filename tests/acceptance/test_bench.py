@@ -121,3 +121,10 @@ def test_placement_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> 
     assert {"violations", "cold_loads_per_1000", "blind_cold_loads_per_1000", "cold_load_ratio", "p99_wait_s",
             "jobs_per_s", "blind_jobs_per_s"} <= got.keys()
     assert got["violations"] == 0
+
+
+def test_busy_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    got = run_bench(capsys, server_dsn, "busy", "--agents", "2", "--jobs", "20", "--sleep-ms", "5")
+    assert {"busy_fraction_async", "busy_fraction_sync", "gap_p50_ms", "gap_p99_ms", "duplicate_starts"} <= got.keys()
+    assert got["duplicate_starts"] == 0
+    assert 0 < got["busy_fraction_async"] <= 1 and 0 < got["busy_fraction_sync"] <= 1

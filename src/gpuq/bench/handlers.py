@@ -60,3 +60,22 @@ async def timed(job: Job) -> dict[str, float]:
     start = time.time()
     await anyio.sleep(float(job.payload.get("sleep", 0.05)) if isinstance(job.payload, dict) else 0.05)
     return {"start": start, "end": time.time()}
+
+
+def _sleep_seconds(job: Job) -> float:
+    return float(job.payload.get("sleep", 0.02)) if isinstance(job.payload, dict) else 0.02
+
+
+async def busy_async(job: Job) -> dict[str, float]:
+    """``gpuq bench busy``: sleep ``payload["sleep"]`` (default 20 ms); the result is when the handler
+    ran (wall clock, this process) and the process, for the gaps between one job and the next."""
+    start = time.time()
+    await anyio.sleep(_sleep_seconds(job))
+    return {"start": start, "end": time.time(), "pid": os.getpid()}
+
+
+def busy_sync(job: Job) -> dict[str, float]:
+    """``busy_async`` as a plain function (the agent runs it in a thread)."""
+    start = time.time()
+    time.sleep(_sleep_seconds(job))
+    return {"start": start, "end": time.time(), "pid": os.getpid()}

@@ -1,0 +1,94 @@
+"""``gpuq bench busy``: how busy capacity-1 slots stay while work is queued.
+
+A real ``gpuq serve`` and ``--agents`` agent processes of capacity 1 run a
+backlog of ``--jobs`` jobs queued before they start; each handler sleeps
+``--sleep-ms`` (async: ``gpuq.bench.handlers:busy_async``, then sync:
+``busy_sync``, the same backlog again) and returns when it ran. Per agent,
+sorted by start, each *gap* is the next job's start minus the previous
+job's end (handler returned -> next handler started, one clock: the agent's).
+
+Figures (issue #17): ``busy_fraction_*`` = the handlers' time over (slots x
+wall time, first start to last end), target >= 0.97 for 20 ms jobs;
+``gap_p50_ms`` / ``gap_p99_ms`` over both runs, target p50 <= 0.5 ms;
+``duplicate_starts``: jobs that ran more than once (must be 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from typing import Any
+
+import anyio
+
+from gpuq.bench import common
+from gpuq.bench.measure import percentiles
+from gpuq.harness import KIND
+
+HANDLERS = {"async": "gpuq.bench.handlers:busy_async", "sync": "gpuq.bench.handlers:busy_sync"}
+
+
+def register(sub: Any) -> None:
+    def args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--agents", type=common.positive_int, default=4, help="agent processes, capacity 1 (default 4)")
+        p.add_argument("--jobs", type=common.positive_int, default=2000, help="backlog per run (default 2000)")
+        p.add_argument("--sleep-ms", type=common.positive_float, default=20.0,
+                       help="each handler's sleep (default 20)")
+
+    async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
+        result: dict[str, Any] = {"bench": "busy", "agents": a.agents, "jobs": a.jobs, "sleep_ms": a.sleep_ms}
+        gaps: list[float] = []
+        for mode, handler in HANDLERS.items():
+            run = await run_backlog(t.dsn, a.agents, a.jobs, a.sleep_ms / 1000, handler)
+            gaps += run.pop("gaps_ms")
+            result.update({f"{k}_{mode}": v for k, v in run.items()})
+        result["duplicate_starts"] = result.pop("duplicate_starts_async") + result.pop("duplicate_starts_sync")
+        result.update({f"gap_{k}": v for k, v in percentiles(gaps).items() if k in ("p50_ms", "p99_ms")})
+        return result
+
+    common.declare(sub, "busy", "slot busy fraction and the gap between jobs, capacity-1 agents, queued backlog",
+                   __doc__, args, body, report,
+                   failures=lambda r: [f"{r['duplicate_starts']} duplicate starts"] if r["duplicate_starts"] else [])
+
+
+async def run_backlog(dsn: str, agents: int, jobs: int, sleep_s: float, handler: str) -> dict[str, Any]:
+    async with common.fleet_on(dsn) as (fleet, conn, _settings):
+        await conn.execute("INSERT INTO gpuq.jobs (kind, payload) SELECT $1, jsonb_build_object('sleep', $2::float8) "
+                           "FROM generate_series(1, $3)", KIND, sleep_s, jobs)
+        common.progress(f"{jobs} jobs queued; starting serve and {agents} agents ({handler.rsplit(':')[1]})")
+        await anyio.to_thread.run_sync(fleet.start_serve)
+        await anyio.to_thread.run_sync(fleet.start_agents, agents, 1, handler)
+
+        async def finished() -> bool:
+            return bool(await conn.fetchval(common.queries["count_done"]) >= jobs)
+
+        await common.wait_until(finished, fleet, 60 + jobs * sleep_s * 4 / agents, f"{jobs} jobs done")
+        rows = await conn.fetch("SELECT result, attempts FROM gpuq.jobs")
+    return measure([r["result"] for r in rows], sum(r["attempts"] > 1 for r in rows), agents)
+
+
+def measure(results: list[dict[str, Any]], repeated: int, slots: int) -> dict[str, Any]:
+    """Busy fraction and gaps from the handlers' own (start, end, pid) records."""
+    by_agent: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for r in results:
+        by_agent[r["pid"]].append((r["start"], r["end"]))
+    busy = sum(end - start for runs in by_agent.values() for start, end in runs)
+    wall = max(end for runs in by_agent.values() for _, end in runs) - min(
+        start for runs in by_agent.values() for start, _ in runs)
+    gaps = [(b[0] - a[1]) * 1000 for runs in by_agent.values()
+            for a, b in zip(sorted(runs), sorted(runs)[1:], strict=False)]
+    return {"busy_fraction": round(busy / (slots * wall), 4), "wall_s": round(wall, 3),
+            "ideal_s": round(busy / slots, 3), "gaps_ms": gaps, "duplicate_starts": repeated}
+
+
+def report(r: dict[str, Any]) -> None:
+    common.print_table(["handler", "busy fraction", "wall s", "ideal s"],
+                       [[mode, r[f"busy_fraction_{mode}"], r[f"wall_s_{mode}"], r[f"ideal_s_{mode}"]]
+                        for mode in HANDLERS],
+                       title=f"busy: {r['jobs']} queued jobs of {r['sleep_ms']} ms, {r['agents']} agents x 1 slot")
+    print(f"gap p50 {r['gap_p50_ms']} ms, p99 {r['gap_p99_ms']} ms (targets: busy >= 0.97, p50 <= 0.5 ms); "
+          f"duplicate starts: {r['duplicate_starts']}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(common.standalone("busy"))
