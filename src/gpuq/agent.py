@@ -55,6 +55,9 @@ from gpuq.signals import stop_on_signal
 log = logs.get("agent")
 
 PROGRESS_SEND_SECONDS = 0.5  # progress updates go out at most this often (the latest of each job)
+# Jobs without devices held ready beyond capacity, so a freed slot starts the next at once
+# (docs/design.md, "Keeping slots busy"): one hides the round trip for most jobs.
+DEFAULT_PREFETCH = 1
 
 
 class PermanentError(Exception):
@@ -88,6 +91,7 @@ class Agent:
         devices: Iterable[protocol.Device] | None = None,
         labels: Iterable[str] = (),
         models: Iterable[str] = (),
+        prefetch: int = DEFAULT_PREFETCH,
         ssl_context: ssl.SSLContext | None = None,
         reconnect_min: float = 0.2,
         reconnect_max: float = 30.0,
@@ -105,7 +109,8 @@ class Agent:
         self.devices = gpus.detect() if devices is None else tuple(devices)
         self._usage = gpus.Usage(self.devices)
         self.protocol = AgentProtocol(Hello(self.name, self.kinds, capacity, devices=self.devices,
-                                            labels=tuple(labels), models=tuple(models)))  # checks the hello
+                                            labels=tuple(labels), models=tuple(models),
+                                            prefetch=prefetch))  # checks the hello
         self._ready = asyncio.Event()  # the protocol has frames to send
         self._stop_event = asyncio.Event()
         self._tasks: dict[int, asyncio.Task[None]] = {}  # job id -> its async handler's task
@@ -204,25 +209,33 @@ class Agent:
                 await ws.close()
 
     async def _run_jobs(self, jobs: list[Job]) -> None:
-        """The jobs of one push, each concurrently, each reported as soon as it ends.
+        """The jobs of one push: those with a slot free start now, each in its slot's loop; the
+        others wait ready (prefetched) for the next slot to free (``AgentProtocol.take``).
 
-        One anyio task per push with a plain asyncio task per job under it
-        (gather cancels them with it): an anyio task per job cost a third of
-        the agent's CPU with short jobs. The tasks are kept by job id, so a
-        ``cancel`` can stop one handler.
+        One anyio task per push with plain asyncio tasks under it (gather
+        cancels them with it): an anyio task per job cost a third of the
+        agent's CPU with short jobs.
         """
         is_async = inspect.iscoroutinefunction(self.handler)
         self._loop = asyncio.get_running_loop()
         for job in jobs:
             protocol.attach_reporter(job, self._report_progress)
-        tasks = [asyncio.ensure_future(self._run_job(job, is_async)) for job in jobs]
-        if is_async:
-            self._tasks.update(zip((job.id for job in jobs), tasks, strict=True))
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            for job in jobs:
+        await asyncio.gather(*(self._run_slot(job, is_async) for job in self.protocol.take(jobs)))
+
+    async def _run_slot(self, job: Job | None, is_async: bool) -> None:
+        """Run ``job``, then at once each ready job the protocol gives this slot. Each handler is its
+        own task, kept by job id so that a ``cancel`` stops that handler alone."""
+        while job is not None:
+            self.protocol.job_started(job)
+            self._ready.set()
+            task = asyncio.ensure_future(self._run_job(job, is_async))
+            if is_async:
+                self._tasks[job.id] = task
+            try:
+                await task
+            finally:
                 self._tasks.pop(job.id, None)
+            job = self.protocol.next_job(job)
 
     def _cancel(self, ids: tuple[int, ...]) -> None:
         """The server cancelled these running jobs (the protocol marked them ``cancelled``)."""

@@ -198,7 +198,7 @@ class Dispatcher:
             released: list[int] = []
             try:
                 await self.completer.flush()
-                moved = await queue.release_agent(self.pool, session.id)
+                moved = await queue.release_agent(self.pool, session.id, session.protocol.unstarted())
                 released = moved.pending + moved.dead
                 if moved.dead:
                     log.info("job.dead", agent=session.id, job_ids=moved.dead, count=len(moved.dead),
@@ -210,6 +210,17 @@ class Dispatcher:
                  inflight=len(session.inflight))
         self.progress.forget(session.inflight)
         session.inflight.clear()
+
+    async def released(self, session: AgentSession, jobs: tuple[tuple[int, str], ...]) -> None:
+        """The agent gave back prefetched jobs it will not start: pending again at once, their attempt
+        not counted (if the database is away, their leases expire instead). The protocol dropped them."""
+        try:
+            moved = await queue.release_unstarted(self.pool, jobs)
+        except db.RETRYABLE_ERRORS as exc:
+            log.warning("agent.release_failed", agent=session.id, error=str(exc))
+            return
+        log.info("jobs.released", agent=session.id, job_ids=moved.pending, count=len(moved.pending))
+        self._credit_freed(session)
 
     def submit(self, session: AgentSession, outcomes: Iterable[tuple[Done | Failed, str]], freed: int) -> None:
         """Queue reported outcomes ``(message, kind)`` for the database; ``freed`` credits came back.

@@ -463,9 +463,18 @@ async def _move_and_notify(db: DB, name: str, *args: Any) -> Moved:
     return moved
 
 
-async def release_agent(db: DB, agent: str) -> Moved:
-    """An agent disconnected: its leased jobs go back to pending at once."""
-    return await _move_and_notify(db, "release_agent", agent, "agent disconnected during the last attempt")
+async def release_agent(db: DB, agent: str, unstarted: Sequence[int] = ()) -> Moved:
+    """An agent disconnected: its leased jobs go back to pending at once; those it had not started
+    (``unstarted``: prefetched) without counting their attempt."""
+    return await _move_and_notify(db, "release_agent", agent, "agent disconnected during the last attempt",
+                                  list(unstarted))
+
+
+async def release_unstarted(db: DB, jobs: Sequence[tuple[int, str]]) -> Moved:
+    """Jobs ``(id, lease_token)`` an agent gives back unstarted: pending again, the attempt not counted."""
+    if not jobs:
+        return Moved([], [], set())
+    return await _move_and_notify(db, "release_unstarted", [i for i, _ in jobs], [t for _, t in jobs])
 
 
 async def release_jobs(db: DB, ids: Sequence[int]) -> Moved:

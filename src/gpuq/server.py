@@ -150,7 +150,8 @@ class AgentServer:
                             "memory_used_mb": usage.memory_used_mb if usage else None, "job": holder.get(d.index)})
         reserved = self.d.reserved.get(s.id)
         shape = self.d.shape(reserved) if reserved else None
-        return {"agent": s.id, "kinds": sorted(s.kinds), "capacity": s.capacity, "inflight": len(s.inflight),
+        return {"agent": s.id, "kinds": sorted(s.kinds), "capacity": s.capacity, "prefetch": proto.prefetch,
+                "inflight": len(s.inflight), "unstarted": len(proto.unstarted()),
                 "draining": s.draining, "protocol": proto.version, "remote": s.remote, "devices": devices,
                 "labels": list(proto.labels), "models": list(proto.models),
                 "reserved_for": {"kind": shape.kind, "gpus": shape.gpus} if shape else None,
@@ -235,6 +236,8 @@ class AgentServer:
             self.d.report_progress(event.updates)
         elif isinstance(event, server_side.AgentUpdated):
             self.d.agent_updated(session)
+        elif isinstance(event, server_side.JobsReleased):
+            await self.d.released(session, event.jobs)
         else:
             self._refused([event])
 

@@ -58,9 +58,9 @@ async def test_capacity_is_never_exceeded_and_kinds_route(dsn, pool):
         assert await count(pool, "leased") == 0  # no agent for kind A: nothing leased
         await srv.agent(["B"], 4, only_b, name="b")
         await srv.agent(["A"], 2, slow, name="a")
-        await wait_count(pool, "leased", 2, timeout=5)
+        await wait_count(pool, "leased", 3, timeout=5)  # 2 running, 1 prefetched (DEFAULT_PREFETCH)
         await anyio.sleep(0.5)  # give the dispatcher every chance to over-lease
-        assert await count(pool, "leased") == 2 and running["max"] == 2
+        assert await count(pool, "leased") == 3 and running["max"] == 2
         release.set()
         await wait_count(pool, "done", 20)
         assert running["max"] == 2

@@ -11,7 +11,7 @@ from gpuq import plans, queue
 from gpuq.agent import run_process
 from gpuq.harness import http_get, next_of, raw_agent, running_server
 from gpuq.producer import enqueue
-from gpuq.protocol import Device
+from gpuq.protocol import PROTOCOL_VERSION, Device
 from gpuq.sql import queries
 from tests.helpers import wait_for
 
@@ -31,7 +31,7 @@ async def test_an_agent_describes_itself_and_changes_its_models_without_reconnec
         agent = await srv.agent(["train"], 1, noop, "h100-box", devices=H100S, labels=["gpu=h100", "region=eu"],
                                 models=["llama-8b"])
         [me] = (await status(srv))["agents"]
-        assert me["protocol"] == 4 and me["labels"] == ["gpu=h100", "region=eu"] and me["models"] == ["llama-8b"]
+        assert me["protocol"] == PROTOCOL_VERSION and me["labels"] == ["gpu=h100", "region=eu"] and me["models"] == ["llama-8b"]
         assert me["devices"] == [{"index": i, "name": "h100", "memory_mb": 81920, "utilization": None,
                                   "memory_used_mb": None, "job": None} for i in (0, 1)]
         agent.set_models(["llama-8b", "sdxl"])

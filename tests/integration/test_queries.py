@@ -10,7 +10,7 @@ from gpuq.sql import queries
 
 NAMES = {
     "enqueue_plain", "enqueue_dedup", "lease_slots", "complete_many", "fail_many", "heartbeat",
-    "release_agent", "release_jobs", "reclaim_expired", "promote_due", "notify", "cancel",
+    "release_agent", "release_unstarted", "release_jobs", "reclaim_expired", "promote_due", "notify", "cancel",
     "prune_window", "min_job_id", "status_counts", "table_estimate", "ping", "plan_guards",
     "migrations_lock", "migrations_unlock", "migrations_bootstrap", "migrations_tracked",
     "migrations_applied", "migration_record", "arm_wakeups", "stragglers_left", "set_floors",

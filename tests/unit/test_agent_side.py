@@ -10,6 +10,7 @@ from gpuq.protocol import (
     JobMessage,
     Jobs,
     ProtocolError,
+    Results,
     ServerDrain,
     Welcome,
     parse_client,
@@ -200,3 +201,78 @@ def test_progress_is_not_kept_across_a_reconnect():
     assert [json.loads(f)["type"] for f in p.frames_to_send()] == ["hello"]
     p.receive(WELCOME)
     assert p.frames_to_send() == []
+
+
+# -- slots and prefetch (protocol 5) -------------------------------------------
+
+WELCOME_5 = WELCOME.replace('"protocol": 1', '"protocol": 5')
+
+
+def slots(capacity: int = 1, prefetch: int = 1) -> AgentProtocol:
+    p = AgentProtocol(Hello("a", ("embed",), capacity, prefetch=prefetch))
+    p.connection_made()
+    assert json.loads(p.frames_to_send()[0])["prefetch"] == prefetch
+    p.receive(WELCOME_5)
+    return p
+
+
+def pushed(p: AgentProtocol, *ids: int) -> list[int]:
+    msg = p.receive(jobs_frame(*ids))
+    return [j.id for j in p.take(msg.jobs)]
+
+
+def test_a_slot_runs_one_job_and_the_next_waits_ready_until_it_ends():
+    p = slots()
+    assert pushed(p, 1, 2) == [1]
+    assert [j.id for j in p.ready] == [2]
+    first = p.running[1]
+    p.job_started(first)
+    p.job_done(first, None)
+    nxt = p.next_job(first)
+    assert nxt is not None and nxt.id == 2 and not p.ready
+    p.job_started(nxt)
+    [frame] = [json.loads(f) for f in p.frames_to_send()]
+    assert frame["type"] == "results" and frame["started"] == [1, 2]  # one frame: the outcome and both starts
+    assert isinstance(parse_client(json.dumps(frame), 4096), Results)
+    p.job_done(nxt, None)
+    assert p.next_job(nxt) is None
+    assert pushed(p, 3) == [3]  # the slot is free again
+
+
+def test_a_start_without_an_outcome_goes_alone_and_an_older_server_never_hears_of_it():
+    p = slots()
+    pushed(p, 1)
+    p.job_started(p.running[1])
+    assert [json.loads(f) for f in p.frames_to_send()] == [{"type": "started", "ids": [1]}]
+    old = connected()  # protocol 1
+    old.take(old.receive(jobs_frame(1)).jobs)
+    old.job_started(old.running[1])
+    assert old.frames_to_send() == []
+
+
+def test_a_cancelled_ready_job_ends_before_it_starts():
+    p = slots()
+    pushed(p, 1, 2)
+    msg = p.receive(json.dumps({"type": "cancel", "ids": [1, 2]}))
+    assert msg.ids == (1,)  # the running one: the I/O layer stops its handler
+    assert not p.ready and 2 not in p.running
+    assert [(o["id"], o["error"]) for o in outcomes(p)] == [(2, "cancelled")]
+
+
+def test_drain_gives_the_ready_jobs_back_and_they_never_start():
+    p = slots(capacity=1, prefetch=2)
+    pushed(p, 1, 2, 3)
+    p.drain()
+    frames = [json.loads(f) for f in p.frames_to_send()]
+    assert {"type": "release", "ids": [2, 3]} in frames
+    assert set(p.running) == {1}
+    first = p.running[1]
+    p.job_done(first, None)
+    assert p.next_job(first) is None
+
+
+def test_a_lost_connection_drops_the_ready_jobs():
+    p = slots()
+    pushed(p, 1, 2)
+    p.connection_lost()
+    assert not p.ready and 2 not in p.running

@@ -10,6 +10,7 @@ from gpuq.protocol.server_side import (
     FrameRefused,
     HeartbeatReceived,
     HelloReceived,
+    JobsReleased,
     OutcomesReceived,
     ServerProtocol,
     State,
@@ -198,7 +199,7 @@ def test_a_version_1_agent_gets_no_cancel_message_and_keeps_working():
     assert p.cancel([7]) == [] and sent(p) == []
 
 
-@pytest.mark.parametrize("version", [0, 5, True, "2"])
+@pytest.mark.parametrize("version", [0, 6, True, "2"])
 def test_an_unknown_protocol_version_is_refused_with_4003(version):
     p = ServerProtocol(max_payload=4096, max_messages_per_second=1000, now=0.0)
     p.receive(HELLO.replace('"protocol": 1', f'"protocol": {json.dumps(version)}'), 0.0)
@@ -258,3 +259,60 @@ def test_a_long_progress_message_is_cut_not_refused():
     p.send_jobs([Leased(7)])
     [event] = p.receive(progress_frame({"message": "é" * 5000}), 0.0)
     assert event.updates[0].message == "é" * 1024
+
+
+# -- prefetch (protocol 5) --------------------------------------------------------
+
+def opened_5(capacity: int = 1, prefetch: int = 1) -> ServerProtocol:
+    p = ServerProtocol(max_payload=4096, max_messages_per_second=1000, now=0.0)
+    [event] = p.receive(json.dumps({"type": "hello", "agent": "a", "kinds": ["embed"], "capacity": capacity,
+                                    "protocol": 5, "devices": [], "labels": [], "models": [],
+                                    "prefetch": prefetch}), 0.0)
+    assert isinstance(event, HelloReceived) and event.hello.prefetch == prefetch
+    return p
+
+
+def test_prefetch_adds_credit_and_held_jobs_are_unstarted_until_the_agent_says():
+    p = opened_5(capacity=1, prefetch=2)
+    assert p.free == 3
+    p.send_jobs([Leased(1), Leased(2), Leased(3)])
+    assert p.free == 0 and p.unstarted() == [1, 2, 3]
+    assert p.receive(json.dumps({"type": "started", "ids": [1, 99]}), 0.0) == []  # 99: not held, ignored
+    assert p.unstarted() == [2, 3]
+    done = {"type": "done", "id": 1, "lease_token": TOKEN, "result": None}
+    [event] = p.receive(json.dumps({"type": "results", "started": [2], "results": [done]}), 0.0)
+    assert isinstance(event, OutcomesReceived) and event.freed == 1
+    assert p.unstarted() == [3] and p.free == 1
+
+
+def test_release_gives_back_only_unstarted_held_jobs():
+    p = opened_5(capacity=1, prefetch=2)
+    p.send_jobs([Leased(1), Leased(2), Leased(3)])
+    p.receive(json.dumps({"type": "started", "ids": [1]}), 0.0)
+    [event] = p.receive(json.dumps({"type": "release", "ids": [1, 2, 3, 42]}), 0.0)
+    assert event == JobsReleased(((2, TOKEN), (3, TOKEN)))
+    assert list(p.held) == [1]
+
+
+@pytest.mark.parametrize("frame", [
+    '{"type": "started", "ids": [1]}', '{"type": "release", "ids": [1]}',
+    '{"type": "results", "started": [1], "results": [{"type": "done", "id": 1, "lease_token": "' + TOKEN
+    + '", "result": null}]}',
+])
+def test_prefetch_messages_need_version_5(frame):
+    p = opened(1)
+    [event] = p.receive(frame, 0.0)
+    assert isinstance(event, FrameRefused) and event.code == ErrorCode.UNEXPECTED
+    assert p.unstarted() == []  # before version 5 every pushed job starts at once
+
+
+def test_a_version_4_hello_has_no_prefetch():
+    p = ServerProtocol(max_payload=4096, max_messages_per_second=1000, now=0.0)
+    p.receive(json.dumps({"type": "hello", "agent": "a", "kinds": ["embed"], "capacity": 2, "protocol": 4,
+                          "devices": [], "labels": [], "models": []}), 0.0)
+    assert p.prefetch == 0 and p.free == 2
+    bad = ServerProtocol(max_payload=4096, max_messages_per_second=1000, now=0.0)
+    [refused] = bad.receive(json.dumps({"type": "hello", "agent": "a", "kinds": ["embed"], "capacity": 2,
+                                        "protocol": 4, "devices": [], "labels": [], "models": [],
+                                        "prefetch": 1}), 0.0)
+    assert isinstance(refused, FrameRefused)

@@ -3,14 +3,16 @@
 A real ``gpuq serve`` and ``--agents`` agent processes of capacity 1 run a
 backlog of ``--jobs`` jobs queued before they start; each handler sleeps
 ``--sleep-ms`` (async: ``gpuq.bench.handlers:busy_async``, then sync:
-``busy_sync``, the same backlog again) and returns when it ran. Per agent,
+``busy_sync``, the same backlog again) and returns when it ran; then both
+again with the agents' prefetch off (``GPUQ_PREFETCH=0``). Per agent,
 sorted by start, each *gap* is the next job's start minus the previous
 job's end (handler returned -> next handler started, one clock: the agent's).
 
 Figures (issue #17): ``busy_fraction_*`` = the handlers' time over (slots x
 wall time, first start to last end), target >= 0.97 for 20 ms jobs;
 ``gap_p50_ms`` / ``gap_p99_ms`` over both runs, target p50 <= 0.5 ms;
-``duplicate_starts``: jobs that ran more than once (must be 0).
+``duplicate_starts``: jobs that ran more than once (must be 0). The same
+figures with prefetch off end in ``_no_prefetch``.
 """
 
 from __future__ import annotations
@@ -34,16 +36,19 @@ def register(sub: Any) -> None:
         p.add_argument("--jobs", type=common.positive_int, default=2000, help="backlog per run (default 2000)")
         p.add_argument("--sleep-ms", type=common.positive_float, default=20.0,
                        help="each handler's sleep (default 20)")
+        p.add_argument("--prefetch", type=int, default=1, help="the agents' prefetch for the first runs (default 1)")
 
     async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
-        result: dict[str, Any] = {"bench": "busy", "agents": a.agents, "jobs": a.jobs, "sleep_ms": a.sleep_ms}
-        gaps: list[float] = []
-        for mode, handler in HANDLERS.items():
-            run = await run_backlog(t.dsn, a.agents, a.jobs, a.sleep_ms / 1000, handler)
-            gaps += run.pop("gaps_ms")
-            result.update({f"{k}_{mode}": v for k, v in run.items()})
-        result["duplicate_starts"] = result.pop("duplicate_starts_async") + result.pop("duplicate_starts_sync")
-        result.update({f"gap_{k}": v for k, v in percentiles(gaps).items() if k in ("p50_ms", "p99_ms")})
+        result: dict[str, Any] = {"bench": "busy", "agents": a.agents, "jobs": a.jobs, "sleep_ms": a.sleep_ms,
+                                  "prefetch": a.prefetch, "duplicate_starts": 0}
+        for prefetch, suffix in ((a.prefetch, ""), (0, "_no_prefetch")):
+            gaps: list[float] = []
+            for mode, handler in HANDLERS.items():
+                run = await run_backlog(t.dsn, a.agents, a.jobs, a.sleep_ms / 1000, handler, prefetch)
+                gaps += run.pop("gaps_ms")
+                result["duplicate_starts"] += run.pop("duplicate_starts")
+                result.update({f"{k}_{mode}{suffix}": v for k, v in run.items()})
+            result.update({f"gap_{k}{suffix}": v for k, v in percentiles(gaps).items() if k in ("p50_ms", "p99_ms")})
         return result
 
     common.declare(sub, "busy", "slot busy fraction and the gap between jobs, capacity-1 agents, queued backlog",
@@ -51,13 +56,15 @@ def register(sub: Any) -> None:
                    failures=lambda r: [f"{r['duplicate_starts']} duplicate starts"] if r["duplicate_starts"] else [])
 
 
-async def run_backlog(dsn: str, agents: int, jobs: int, sleep_s: float, handler: str) -> dict[str, Any]:
+async def run_backlog(dsn: str, agents: int, jobs: int, sleep_s: float, handler: str,
+                      prefetch: int) -> dict[str, Any]:
     async with common.fleet_on(dsn) as (fleet, conn, _settings):
         await conn.execute("INSERT INTO gpuq.jobs (kind, payload) SELECT $1, jsonb_build_object('sleep', $2::float8) "
                            "FROM generate_series(1, $3)", KIND, sleep_s, jobs)
-        common.progress(f"{jobs} jobs queued; starting serve and {agents} agents ({handler.rsplit(':')[1]})")
+        common.progress(f"{jobs} jobs queued; starting serve and {agents} agents ({handler.rsplit(':')[1]}, "
+                        f"prefetch {prefetch})")
         await anyio.to_thread.run_sync(fleet.start_serve)
-        await anyio.to_thread.run_sync(fleet.start_agents, agents, 1, handler)
+        await anyio.to_thread.run_sync(fleet.start_agents, agents, 1, handler, {"GPUQ_PREFETCH": str(prefetch)})
 
         async def finished() -> bool:
             return bool(await conn.fetchval(common.queries["count_done"]) >= jobs)
@@ -82,12 +89,13 @@ def measure(results: list[dict[str, Any]], repeated: int, slots: int) -> dict[st
 
 
 def report(r: dict[str, Any]) -> None:
-    common.print_table(["handler", "busy fraction", "wall s", "ideal s"],
-                       [[mode, r[f"busy_fraction_{mode}"], r[f"wall_s_{mode}"], r[f"ideal_s_{mode}"]]
-                        for mode in HANDLERS],
-                       title=f"busy: {r['jobs']} queued jobs of {r['sleep_ms']} ms, {r['agents']} agents x 1 slot")
-    print(f"gap p50 {r['gap_p50_ms']} ms, p99 {r['gap_p99_ms']} ms (targets: busy >= 0.97, p50 <= 0.5 ms); "
-          f"duplicate starts: {r['duplicate_starts']}")
+    rows = [[f"{mode}, prefetch {p}", r[f"busy_fraction_{mode}{x}"], r[f"wall_s_{mode}{x}"], r[f"ideal_s_{mode}{x}"],
+             r[f"gap_p50_ms{x}"], r[f"gap_p99_ms{x}"]]
+            for p, x in ((r["prefetch"], ""), (0, "_no_prefetch")) for mode in HANDLERS]
+    common.print_table(["handler", "busy fraction", "wall s", "ideal s", "gap p50 ms", "gap p99 ms"], rows,
+                       title=f"busy: {r['jobs']} queued jobs of {r['sleep_ms']} ms, {r['agents']} agents x 1 slot "
+                             "(gaps: both handlers together)")
+    print(f"targets: busy >= 0.97, gap p50 <= 0.5 ms; duplicate starts: {r['duplicate_starts']}")
 
 
 if __name__ == "__main__":

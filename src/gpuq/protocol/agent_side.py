@@ -21,13 +21,22 @@ I/O layer (``gpuq.agent``) feeds frames to ``receive()`` and sends what
   second); a job's outcome drops its unsent update, and updates are not kept
   across a reconnect (the new connection does not hold those jobs);
 - ``update()`` changes labels or warm models: sent at once when connected,
-  and the next ``hello`` carries them, so a reconnect never loses them.
+  and the next ``hello`` carries them, so a reconnect never loses them;
+- slots (version 5, ``hello.prefetch``): at most ``capacity`` jobs without
+  devices run at once; ``take()`` says which pushed jobs start now, the rest
+  wait *ready* (prefetched) and ``next_job()`` hands the next one to a slot
+  the moment its job ends. Jobs with devices start at once (the server gave
+  them free devices). Every start is told to the server (``started`` ids, in
+  the next ``results`` frame when there is one). A ready job that is
+  cancelled ends at once as cancelled; on ``drain()`` the ready jobs are given
+  back (``release``); a lost connection drops them (the server took them back).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+from collections import deque
 from collections.abc import Iterable
 from enum import Enum
 from typing import Any
@@ -44,6 +53,7 @@ from gpuq.protocol.messages import (
     Hello,
     JobMessage,
     Jobs,
+    Release,
     ServerMessage,
     Update,
     Welcome,
@@ -80,6 +90,10 @@ class AgentProtocol:
         self._progress: dict[int, str] = {}
         self._progress_asked = False  # progress() has asked for a send_progress() not yet done
         self._progress_lock = threading.Lock()
+        self.ready: deque[JobMessage] = deque()  # pushed jobs without devices waiting for a slot
+        self._slots_busy = 0  # jobs without devices running now (at most capacity)
+        self._started: list[int] = []  # started since the last frames_to_send (told in the next)
+        self._speaks_started = False  # this connection's version has ``started`` (5)
 
     @property
     def finished(self) -> bool:
@@ -93,7 +107,14 @@ class AgentProtocol:
         self._control, self._outcomes = [encode(self.hello)], []
 
     def connection_lost(self) -> None:
+        """The server took back every job it had not seen reported; the ready ones are not ours now
+        (the running ones' handlers are stopped by the I/O layer)."""
         self.state = State.DISCONNECTED
+        for job in self.ready:
+            self.running.pop(job.id, None)
+        self.ready.clear()
+        self._slots_busy = 0
+        self._started = []
 
     def receive(self, frame: str | bytes) -> ServerMessage:
         """Take one frame from the server; what it says is the event (``Welcome``, ``Jobs``,
@@ -104,6 +125,7 @@ class AgentProtocol:
             if not isinstance(msg, Welcome):
                 raise ProtocolError(ErrorCode.UNEXPECTED, f"expected welcome, got {msg}")
             self.state, self.max_frame = State.OPEN, msg.max_payload
+            self._speaks_started = msg.protocol >= 5
             self._outcomes = list(self.unacked.values())  # what the last connection did not see acked
             if self.draining:
                 self._control.append(encode(Drain()))
@@ -121,8 +143,42 @@ class AgentProtocol:
             running = [self.running[i] for i in msg.ids if i in self.running]
             for job in running:
                 mark_cancelled(job)
-            return Cancel(tuple(job.id for job in running))
+            waiting = {job.id for job in running if job in self.ready}
+            if waiting:  # never started: it ends here, before it starts
+                self.ready = deque(job for job in self.ready if job.id not in waiting)
+                for job in running:
+                    if job.id in waiting:
+                        self.job_failed(job, "cancelled", retryable=False)
+            return Cancel(tuple(job.id for job in running if job.id not in waiting))
         return msg
+
+    # -- slots ---------------------------------------------------------------
+
+    def take(self, jobs: Iterable[JobMessage]) -> list[JobMessage]:
+        """Pushed jobs to start now; the others wait ready for ``next_job()``."""
+        now = []
+        for job in jobs:
+            if job.devices or self._slots_busy < self.hello.capacity:
+                self._slots_busy += not job.devices
+                now.append(job)
+            else:
+                self.ready.append(job)
+        return now
+
+    def job_started(self, job: JobMessage) -> None:
+        """Its handler starts now: the server is told (with the next frame)."""
+        if self._speaks_started:
+            self._started.append(job.id)
+
+    def next_job(self, ended: JobMessage) -> JobMessage | None:
+        """``ended``'s handler returned (its outcome is queued): the job to start in its slot now,
+        or None (the slot is free, or it had devices)."""
+        if ended.devices:
+            return None
+        if self.ready and not self.draining and self.state is State.OPEN:
+            return self.ready.popleft()
+        self._slots_busy = max(0, self._slots_busy - 1)
+        return None
 
     # -- outcomes ------------------------------------------------------------
 
@@ -194,15 +250,20 @@ class AgentProtocol:
             self._control.append(encode(checked))
 
     def drain(self) -> None:
-        """Ask for no more jobs: the agent is finishing and leaving."""
+        """Ask for no more jobs: the agent is finishing and leaving; the ready jobs go back."""
         self.draining = True
         if self.state is State.OPEN:
             self._control.append(encode(Drain()))
+            if self.ready:
+                self._control.append(encode(Release(tuple(job.id for job in self.ready))))
+                for job in self.ready:
+                    self.running.pop(job.id, None)
+                self.ready.clear()
 
     def frames_to_send(self) -> list[str]:
         if self.state is not State.OPEN:
             out, self._control = self._control, []  # the hello, nothing else before the welcome
             return out
-        out = self._control + pack_results(self._outcomes, self.max_frame)
-        self._control, self._outcomes = [], []
+        out = self._control + pack_results(self._outcomes, self.max_frame, tuple(self._started))
+        self._control, self._outcomes, self._started = [], [], []
         return out

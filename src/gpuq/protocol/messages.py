@@ -25,10 +25,12 @@ from gpuq.protocol.codes import (
     MAX_HEARTBEAT_IDS,
     MAX_JOB_ID,
     MAX_KINDS,
+    MAX_PREFETCH,
     MAX_PROGRESS_DATA,
     MAX_PROGRESS_MESSAGE,
     MAX_RESULTS,
     PLACEMENT_SINCE,
+    PREFETCH_SINCE,
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
     CloseCode,
@@ -47,8 +49,8 @@ from gpuq.protocol.describe import (
 )
 
 __all__ = ["AGENT_NAME", "RESULTS_OVERHEAD", "Ack", "Cancel", "ClientMessage", "Done", "Drain", "Error", "Failed", "Heartbeat",
-           "Hello", "JobMessage", "Jobs", "Progress", "ProgressUpdate", "Results", "ServerDrain", "ServerMessage",
-           "Update", "Welcome", "attach_reporter", "contains_nul", "encode", "encode_done", "job_message", "jobs_frame",
+           "Hello", "JobMessage", "Jobs", "Progress", "ProgressUpdate", "Release", "Results", "ServerDrain", "ServerMessage",
+           "Started", "Update", "Welcome", "attach_reporter", "contains_nul", "encode", "encode_done", "job_message", "jobs_frame",
            "mark_cancelled", "pack_progress", "pack_results", "parse_client", "parse_server", "progress_item"]
 
 AGENT_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
@@ -70,6 +72,8 @@ class Hello:
     devices: tuple[Device, ...] = ()
     labels: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
+    # Protocol 5: jobs the server may push beyond ``capacity``, held ready for the next free slot.
+    prefetch: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +96,22 @@ class Results:
     """Many outcomes in one frame: how the agent library reports (one frame, one parse)."""
 
     outcomes: tuple[Done | Failed, ...]
+    started: tuple[int, ...] = ()  # protocol 5: as ``Started``, in the same frame
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """From the agent (protocol 5): these jobs' handlers have started (a prefetched job that never
+    started goes back without counting its attempt)."""
+
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """From the agent (protocol 5): it will not start these prefetched jobs (it is draining)."""
+
+    ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +151,7 @@ class Progress:
     updates: tuple[ProgressUpdate, ...]
 
 
-ClientMessage = Hello | Done | Failed | Results | Heartbeat | Drain | Progress | Update
+ClientMessage = Hello | Done | Failed | Results | Heartbeat | Drain | Progress | Update | Started | Release
 
 
 def parse_client(frame: str | bytes, max_size: int) -> ClientMessage:
@@ -147,10 +167,12 @@ def parse_client(frame: str | bytes, max_size: int) -> ClientMessage:
     if fields is None:
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r}; expected one of "
                             f"{', '.join(sorted(_CLIENT_FIELDS))}", fatal=kind == "hello")
-    if kind == "hello" and _hello_version(obj) >= PLACEMENT_SINCE:
-        fields = _HELLO_4_FIELDS
+    if kind == "hello" and (version := _hello_version(obj)) >= PLACEMENT_SINCE:
+        fields = _HELLO_5_FIELDS if version >= PREFETCH_SINCE else _HELLO_4_FIELDS
     elif kind == "heartbeat" and "devices" in obj:
         fields = _HEARTBEAT_4_FIELDS
+    elif kind == "results" and "started" in obj:
+        fields = _RESULTS_5_FIELDS
     _exact_fields(obj, fields, fatal=kind == "hello")
     if kind == "hello":
         return _hello(obj)
@@ -162,7 +184,10 @@ def parse_client(frame: str | bytes, max_size: int) -> ClientMessage:
             raise ProtocolError(BAD_MESSAGE, f"results.results must be a list of 1-{MAX_RESULTS} "
                                 "done or failed messages")
         maybe_nul = "\\u0000" in frame
-        return Results(tuple(_outcome(item, maybe_nul) for item in items))
+        return Results(tuple(_outcome(item, maybe_nul) for item in items),
+                       _ids(obj["started"], "results.started") if "started" in obj else ())
+    if kind in ("started", "release"):
+        return (Started if kind == "started" else Release)(_ids(obj["ids"], f"{kind}.ids"))
     if kind == "heartbeat":
         ids = obj["ids"]
         if not isinstance(ids, list) or len(ids) > MAX_HEARTBEAT_IDS:
@@ -191,10 +216,20 @@ _CLIENT_FIELDS = {
     "drain": {"type"},
     "progress": {"type", "updates"},
     "update": {"type", "labels", "models"},
+    "started": {"type", "ids"},
+    "release": {"type", "ids"},
 }
 _HELLO_4_FIELDS = _CLIENT_FIELDS["hello"] | {"devices", "labels", "models"}
+_HELLO_5_FIELDS = _HELLO_4_FIELDS | {"prefetch"}
+_RESULTS_5_FIELDS = _CLIENT_FIELDS["results"] | {"started"}
 _HEARTBEAT_4_FIELDS = _CLIENT_FIELDS["heartbeat"] | {"devices"}
 _PROGRESS_FIELDS = {"id", "lease_token", "fraction", "message", "data"}
+
+
+def _ids(ids: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(ids, list) or len(ids) > MAX_HEARTBEAT_IDS:
+        raise ProtocolError(BAD_MESSAGE, f"{what} must be a list of at most {MAX_HEARTBEAT_IDS} job ids")
+    return tuple(_job_id(i) for i in ids)
 
 
 def _progress_update(obj: Any) -> ProgressUpdate:
@@ -277,12 +312,18 @@ def contains_nul(value: Any) -> bool:
     return False
 
 
-def pack_results(items: list[str], max_size: int) -> list[str]:
-    """Frames of ``results`` from encoded outcomes (``encode(Done(...))``), each within ``max_size``.
+def pack_results(items: list[str], max_size: int, started: tuple[int, ...] = ()) -> list[str]:
+    """Frames of ``results`` from encoded outcomes (``encode(Done(...))``), each within ``max_size``;
+    ``started`` ids (protocol 5) ride in the first (a ``started`` frame when there is no outcome).
 
     An item too large for a frame of its own is the caller's to refuse first.
     """
-    return _pack(_RESULTS_HEAD, items, max_size)
+    if not started:
+        return _pack(_RESULTS_HEAD, items, max_size)
+    ids = ",".join(map(str, started))
+    if not items:
+        return ['{"type":"started","ids":[' + ids + "]}"]
+    return _pack(_RESULTS_HEAD, items, max_size, '{"type":"results","started":[' + ids + '],"results":[')
 
 
 def pack_progress(items: list[str], max_size: int) -> list[str]:
@@ -290,17 +331,20 @@ def pack_progress(items: list[str], max_size: int) -> list[str]:
     return _pack(_PROGRESS_HEAD, items, max_size)
 
 
-def _pack(head: str, items: list[str], max_size: int) -> list[str]:
-    """``head`` + comma-joined items + ``]}``, in as few frames of at most ``MAX_RESULTS`` items as fit."""
+def _pack(head: str, items: list[str], max_size: int, first_head: str | None = None) -> list[str]:
+    """``head`` (``first_head`` for the first frame) + comma-joined items + ``]}``, in as few frames
+    of at most ``MAX_RESULTS`` items as fit."""
     frames: list[str] = []
-    start, size = 0, len(head) + len(_RESULTS_TAIL)
+    this = first_head or head
+    start, size = 0, len(this) + len(_RESULTS_TAIL)
     for i, item in enumerate(items):
         if i > start and (size + len(item) + 1 > max_size or i - start >= MAX_RESULTS):
-            frames.append(head + ",".join(items[start:i]) + _RESULTS_TAIL)
+            frames.append(this + ",".join(items[start:i]) + _RESULTS_TAIL)
+            this = head
             start, size = i, len(head) + len(_RESULTS_TAIL)
         size += len(item) + 1
     if start < len(items):
-        frames.append(head + ",".join(items[start:]) + _RESULTS_TAIL)
+        frames.append(this + ",".join(items[start:]) + _RESULTS_TAIL)
     return frames
 
 
@@ -354,9 +398,12 @@ def _hello(obj: dict[str, Any]) -> Hello:
         raise ProtocolError(BAD_MESSAGE, f"hello.capacity must be an integer 1-{MAX_CAPACITY}", fatal=True)
     if version < PLACEMENT_SINCE:
         return Hello(agent, tuple(dict.fromkeys(kinds)), capacity, version)
+    prefetch = obj.get("prefetch", 0)
+    if not _is_int(prefetch) or not 0 <= prefetch <= MAX_PREFETCH:
+        raise ProtocolError(BAD_MESSAGE, f"hello.prefetch must be an integer 0-{MAX_PREFETCH}", fatal=True)
     return Hello(agent, tuple(dict.fromkeys(kinds)), capacity, version, devices_from(obj["devices"]),
                  check_labels(obj["labels"], "hello.labels", fatal=True),
-                 check_models(obj["models"], "hello.models", fatal=True))
+                 check_models(obj["models"], "hello.models", fatal=True), prefetch)
 
 
 # --------------------------------------------------------------------------
@@ -461,7 +508,9 @@ def encode(msg: ServerMessage | ClientMessage) -> str:
         body = {"type": "failed", "id": msg.id, "lease_token": msg.lease_token, "error": msg.error,
                 "retryable": msg.retryable}
     elif isinstance(msg, Results):
-        return pack_results([encode(o) for o in msg.outcomes], 1 << 62)[0]
+        return pack_results([encode(o) for o in msg.outcomes], 1 << 62, msg.started)[0]
+    elif isinstance(msg, Started | Release):
+        body = {"type": "started" if isinstance(msg, Started) else "release", "ids": list(msg.ids)}
     elif isinstance(msg, Jobs):
         body = {"type": "jobs", "jobs": [
             {"id": j.id, "lease_token": j.lease_token, "kind": j.kind, "payload": j.payload,
@@ -484,6 +533,8 @@ def encode(msg: ServerMessage | ClientMessage) -> str:
         if msg.protocol >= PLACEMENT_SINCE:
             body.update(devices=[device_json(d) for d in msg.devices], labels=list(msg.labels),
                         models=list(msg.models))
+        if msg.protocol >= PREFETCH_SINCE:
+            body["prefetch"] = msg.prefetch
     elif isinstance(msg, Heartbeat):
         body = {"type": "heartbeat", "ids": list(msg.ids)}
         if msg.devices is not None:

@@ -24,7 +24,12 @@ connection lives here:
   still runs after a reconnect is not this connection's);
 - version 4: the hello's devices, labels and models describe the agent;
   ``update`` replaces labels and/or models, heartbeats may carry device
-  usage; ``labels``, ``models`` and ``usage`` here are always the latest.
+  usage; ``labels``, ``models`` and ``usage`` here are always the latest;
+- version 5: ``prefetch`` more jobs without devices than ``capacity`` may be
+  held (the agent keeps them ready for its next free slot); the agent says
+  which jobs it ``started``; a held job never said started is *unstarted*:
+  it goes back without counting its attempt when the agent leaves, or at once
+  when the agent gives it back (``release``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Any, Protocol
 from gpuq.protocol.codes import (
     CANCEL_SINCE,
     PLACEMENT_SINCE,
+    PREFETCH_SINCE,
     PROGRESS_SINCE,
     CloseCode,
     ErrorCode,
@@ -55,8 +61,10 @@ from gpuq.protocol.messages import (
     Hello,
     Progress,
     ProgressUpdate,
+    Release,
     Results,
     ServerDrain,
+    Started,
     Update,
     Welcome,
     encode,
@@ -113,6 +121,14 @@ class ProgressReceived:
 
 
 @dataclass(frozen=True, slots=True)
+class JobsReleased:
+    """Version 5: held jobs the agent will not start, ``(id, lease_token)``: back to pending now,
+    their attempt not counted; they no longer take credit."""
+
+    jobs: tuple[tuple[int, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class FrameRefused:
     """A frame got an ``error`` (or closed the connection): for metrics and logs."""
 
@@ -121,7 +137,7 @@ class FrameRefused:
 
 
 Event = (HelloReceived | OutcomesReceived | HeartbeatReceived | DrainRequested | ProgressReceived | AgentUpdated
-         | FrameRefused)
+         | JobsReleased | FrameRefused)
 
 
 class PushedJob(Protocol):
@@ -165,6 +181,7 @@ class ServerProtocol:
         self.models: tuple[str, ...] = ()
         self.usage: dict[int, DeviceUsage] = {}  # device index -> its last reported usage
         self.devices_in_use: dict[int, tuple[int, ...]] = {}  # job id -> the devices it was pushed with
+        self.started: set[int] = set()  # version 5: held jobs the agent said it started
         self._bucket = TokenBucket(max_messages_per_second, RATE_BURST_SECONDS, now)
         self._out: list[str] = []
         self._close: tuple[CloseCode, str] | None = None
@@ -176,11 +193,22 @@ class ServerProtocol:
         return self.hello.capacity if self.hello else 0
 
     @property
+    def prefetch(self) -> int:
+        """Jobs without devices the agent holds ready beyond ``capacity`` (version 5)."""
+        return self.hello.prefetch if self.hello and self.hello.protocol >= PREFETCH_SINCE else 0
+
+    @property
     def free(self) -> int:
         """Jobs without devices this connection may be given now."""
         if self.draining or self.state is not State.OPEN:
             return 0
-        return max(0, self.capacity - (len(self.held) - len(self.devices_in_use)))
+        return max(0, self.capacity + self.prefetch - (len(self.held) - len(self.devices_in_use)))
+
+    def unstarted(self) -> list[int]:
+        """Held jobs the agent never said it started (version 5; before it, every job starts at once)."""
+        if self.version < PREFETCH_SINCE:
+            return []
+        return [i for i in self.held if i not in self.started]
 
     def free_devices(self, min_memory_mb: int = 0) -> list[int]:
         """Indices of the devices no held job was given, with at least ``min_memory_mb`` (none while
@@ -226,7 +254,14 @@ class ServerProtocol:
         if isinstance(msg, Done | Failed):
             return [self._outcomes((msg,))]
         if isinstance(msg, Results):
+            if msg.started:
+                self._started(msg.started)
             return [self._outcomes(msg.outcomes)]
+        if isinstance(msg, Started):
+            self._started(msg.ids)
+            return []
+        if isinstance(msg, Release):
+            return self._release(msg.ids)
         if isinstance(msg, Heartbeat):
             if msg.devices is not None:
                 self._usage(msg.devices)
@@ -252,16 +287,33 @@ class ServerProtocol:
             if entry is not None and entry[0] == msg.lease_token:
                 del held[msg.id]
                 self.devices_in_use.pop(msg.id, None)
+                self.started.discard(msg.id)
                 freed += 1
                 items.append((msg, entry[1]))
             else:
                 items.append((msg, "?"))
         return OutcomesReceived(items, freed)
 
-    def _placement_message(self, what: str) -> None:
-        if self.version < PLACEMENT_SINCE:
-            raise ProtocolError(ErrorCode.UNEXPECTED, f"{what} needs protocol {PLACEMENT_SINCE}; this "
+    def _started(self, ids: tuple[int, ...]) -> None:
+        self._needs(PREFETCH_SINCE, "started")
+        held = self.held
+        self.started.update(i for i in ids if i in held)  # another connection's: nothing to track
+
+    def _release(self, ids: tuple[int, ...]) -> list[Event]:
+        """Give back held jobs the agent never started; a started one stays (its outcome will come)."""
+        self._needs(PREFETCH_SINCE, "release")
+        back = tuple((i, self.held.pop(i)[0]) for i in ids if i in self.held and i not in self.started)
+        for i, _ in back:
+            self.devices_in_use.pop(i, None)
+        return [JobsReleased(back)] if back else []
+
+    def _needs(self, version: int, what: str) -> None:
+        if self.version < version:
+            raise ProtocolError(ErrorCode.UNEXPECTED, f"{what} needs protocol {version}; this "
                                 f"connection speaks {self.version}")
+
+    def _placement_message(self, what: str) -> None:
+        self._needs(PLACEMENT_SINCE, what)
 
     def _usage(self, devices: tuple[DeviceUsage, ...]) -> None:
         self._placement_message("device usage in a heartbeat")
@@ -269,9 +321,7 @@ class ServerProtocol:
         self.usage.update((u.index, u) for u in devices if u.index in known)
 
     def _progress(self, updates: tuple[ProgressUpdate, ...]) -> list[Event]:
-        if self.version < PROGRESS_SINCE:
-            raise ProtocolError(ErrorCode.UNEXPECTED, f"progress needs protocol {PROGRESS_SINCE}; this "
-                                f"connection speaks {self.version}")
+        self._needs(PROGRESS_SINCE, "progress")
         held = self.held
         mine = tuple(u for u in updates if (entry := held.get(u.id)) is not None and entry[0] == u.lease_token)
         return [ProgressReceived(mine)] if mine else []

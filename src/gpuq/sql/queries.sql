@@ -294,14 +294,26 @@ WHERE id = ANY($1::bigint[]) AND status::text = 'leased' AND leased_by = $2
 RETURNING id;
 
 -- name: release_agent
--- An agent left: its leased jobs go back to pending (dead, with error $2, when out of attempts).
+-- An agent left: its leased jobs go back to pending (dead, with error $2, when out of attempts); ids $3 it never started (prefetched) go back without counting the attempt.
 UPDATE gpuq.jobs j
-SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead'::gpuq.job_status ELSE 'pending' END,
-    finished_at = CASE WHEN j.attempts >= j.max_attempts THEN now() END,
-    last_error = CASE WHEN j.attempts >= j.max_attempts THEN $2 ELSE j.last_error END,
+SET status = CASE WHEN j.attempts >= j.max_attempts AND NOT picked.unstarted THEN 'dead'::gpuq.job_status
+                  ELSE 'pending' END,
+    finished_at = CASE WHEN j.attempts >= j.max_attempts AND NOT picked.unstarted THEN now() END,
+    last_error = CASE WHEN j.attempts >= j.max_attempts AND NOT picked.unstarted THEN $2 ELSE j.last_error END,
+    attempts = j.attempts - picked.unstarted::int,
     lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
-FROM (SELECT id FROM gpuq.jobs WHERE status = 'leased' AND leased_by = $1 FOR UPDATE) AS picked
+FROM (SELECT id, id = ANY($3::bigint[]) AS unstarted FROM gpuq.jobs
+      WHERE status = 'leased' AND leased_by = $1 FOR UPDATE) AS picked
 WHERE j.id = picked.id
+RETURNING j.id, j.kind, j.status;
+
+-- name: release_unstarted
+-- An agent gives back jobs it will not start (prefetched, then draining): ids $1 still leased with tokens $2 go back to pending, the attempt not counted.
+UPDATE gpuq.jobs j
+SET status = 'pending', attempts = j.attempts - 1, lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
+FROM (SELECT id FROM gpuq.jobs WHERE status::text = 'leased' AND id = ANY($1::bigint[]) FOR UPDATE) AS picked,
+     unnest($1::bigint[], $2::uuid[]) AS given(id, token)
+WHERE j.id = picked.id AND given.id = j.id AND j.lease_token = given.token
 RETURNING j.id, j.kind, j.status;
 
 -- name: release_jobs

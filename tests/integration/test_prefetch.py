@@ -1,0 +1,78 @@
+"""Prefetch (issue #17, protocol 5): jobs held ready beyond capacity, given back unstarted at once."""
+
+import json
+
+import anyio
+
+from gpuq import queue
+from gpuq.harness import http_get, next_of, raw_agent, running_server
+from tests.helpers import wait_count, wait_for
+
+HELLO_5 = {"protocol": 5, "devices": [], "labels": [], "models": []}
+
+
+async def _jobs(pool, n: int) -> list[int]:
+    return [r[0] for r in await pool.fetch(
+        "INSERT INTO gpuq.jobs (kind) SELECT 'embed' FROM generate_series(1, $1) RETURNING id", n)]
+
+
+async def _attempts(pool, ids: list[int]) -> list[tuple[str, int]]:
+    rows = await pool.fetch("SELECT id, status::text, attempts FROM gpuq.jobs WHERE id = ANY($1) ORDER BY id", ids)
+    return [(r["status"], r["attempts"]) for r in rows]
+
+
+async def test_a_prefetched_job_goes_back_at_once_when_its_agent_disconnects_its_attempt_not_counted(dsn, pool):
+    async with running_server(dsn, lease_seconds=300) as srv:
+        first, second = await _jobs(pool, 2)
+        ws, _ = await raw_agent(srv, capacity=1, prefetch=1, **HELLO_5)
+        pushed: list[int] = []
+        while len(pushed) < 2:
+            pushed += [j["id"] for j in (await next_of(ws, "jobs"))["jobs"]]
+        assert pushed == [first, second]  # one running, one held ready
+        await ws.send(json.dumps({"type": "started", "ids": [first]}))
+        await ws.close()
+        await wait_count(pool, "pending", 2, timeout=5)  # far sooner than the 300 s lease
+    assert await _attempts(pool, [first, second]) == [("pending", 1), ("pending", 0)]
+
+
+def _blocking(ran: list[int], release: anyio.Event):
+    async def handler(job):
+        ran.append(job.id)
+        await release.wait()
+    return handler
+
+
+async def test_a_draining_agent_gives_back_its_ready_job_at_once(dsn, pool):
+    ran: list[int] = []
+    release = anyio.Event()
+    async with running_server(dsn, lease_seconds=300) as srv:
+        first, second = await _jobs(pool, 2)
+        agent = await srv.agent(["embed"], 1, _blocking(ran, release), "a", prefetch=1)
+        await wait_count(pool, "leased", 2)
+        agent.stop()
+        await wait_count(pool, "pending", 1)  # while the first still runs
+        assert await _attempts(pool, [second]) == [("pending", 0)]
+        release.set()
+        await wait_count(pool, "done", 1)
+    assert ran == [first]
+
+
+async def test_a_cancelled_prefetched_job_never_starts(dsn, pool):
+    ran: list[int] = []
+    release = anyio.Event()
+    async with running_server(dsn, lease_seconds=300) as srv:
+        first, second = await _jobs(pool, 2)
+        await srv.agent(["embed"], 1, _blocking(ran, release), "a", prefetch=1)
+        await wait_count(pool, "leased", 2)
+        assert await queue.cancel(pool, second) == {second: "leased"}
+
+        async def status_shows_it_gone() -> bool:
+            body = json.loads((await http_get(f"{srv.http}/status"))[2])
+            return body["agents"][0]["inflight"] == 1
+
+        await wait_for(status_shows_it_gone)  # the agent reported it, without running it
+        release.set()
+        await wait_count(pool, "done", 1)
+    assert ran == [first]
+    assert (await _attempts(pool, [second]))[0][0] == "cancelled"
+
