@@ -227,15 +227,18 @@ class Agent:
         own task, kept by job id so that a ``cancel`` stops that handler alone."""
         while job is not None:
             self.protocol.job_started(job)
-            self._ready.set()
             task = asyncio.ensure_future(self._run_job(job, is_async))
             if is_async:
                 self._tasks[job.id] = task
+            # The sender goes after the handler: the outcome of the job before, and this start, in one
+            # frame, while the handler already runs.
+            self._ready.set()
             try:
                 await task
             finally:
                 self._tasks.pop(job.id, None)
             job = self.protocol.next_job(job)
+        self._ready.set()  # the last outcome
 
     def _cancel(self, ids: tuple[int, ...]) -> None:
         """The server cancelled these running jobs (the protocol marked them ``cancelled``)."""
@@ -277,7 +280,6 @@ class Agent:
         finally:
             if timer is not None:
                 timer.cancel()
-        self._ready.set()
 
     async def _sender(self, ws: ClientConnection) -> None:
         """Send what the protocol queued, in as few frames as fit.

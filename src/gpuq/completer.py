@@ -113,7 +113,7 @@ class Completer:
             outcomes = await queue.fail_many(
                 self.pool, [(m.id, m.lease_token, m.error, m.retryable) for _, m, _ in failed], self.backoff)
         if orphans:
-            await queue.release_jobs(self.pool, orphans)
+            await queue.release_jobs(self.pool, orphans, undelivered=True)
         # Committed: now take them off the queue and tell the agents.
         del self.done[:len(done)], self.failed[:len(failed)], self.orphans[:len(orphans)]
         if self.on_written is not None:

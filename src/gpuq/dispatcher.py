@@ -198,7 +198,7 @@ class Dispatcher:
             released: list[int] = []
             try:
                 await self.completer.flush()
-                moved = await queue.release_agent(self.pool, session.id, session.protocol.unstarted())
+                moved = await queue.release_agent(self.pool, session.id, session.protocol.started_ids())
                 released = moved.pending + moved.dead
                 if moved.dead:
                     log.info("job.dead", agent=session.id, job_ids=moved.dead, count=len(moved.dead),

@@ -463,11 +463,11 @@ async def _move_and_notify(db: DB, name: str, *args: Any) -> Moved:
     return moved
 
 
-async def release_agent(db: DB, agent: str, unstarted: Sequence[int] = ()) -> Moved:
-    """An agent disconnected: its leased jobs go back to pending at once; those it had not started
-    (``unstarted``: prefetched) without counting their attempt."""
+async def release_agent(db: DB, agent: str, started: Sequence[int]) -> Moved:
+    """An agent disconnected: its leased jobs go back to pending at once; only the ``started`` ones
+    count their attempt (a prefetched job, or one leased while the agent left, never ran)."""
     return await _move_and_notify(db, "release_agent", agent, "agent disconnected during the last attempt",
-                                  list(unstarted))
+                                  list(started))
 
 
 async def release_unstarted(db: DB, jobs: Sequence[tuple[int, str]]) -> Moved:
@@ -477,11 +477,12 @@ async def release_unstarted(db: DB, jobs: Sequence[tuple[int, str]]) -> Moved:
     return await _move_and_notify(db, "release_unstarted", [i for i, _ in jobs], [t for _, t in jobs])
 
 
-async def release_jobs(db: DB, ids: Sequence[int]) -> Moved:
-    """Give up leases held by this process (dispatcher shutdown, undeliverable jobs)."""
+async def release_jobs(db: DB, ids: Sequence[int], undelivered: bool = False) -> Moved:
+    """Give up leases held by this process (dispatcher shutdown); ``undelivered``: jobs no agent
+    got (their agent left before the push), whose attempt does not count."""
     if not ids:
         return Moved([], [], set())
-    return await _move_and_notify(db, "release_jobs", list(ids), "released during the last attempt")
+    return await _move_and_notify(db, "release_jobs", list(ids), "released during the last attempt", undelivered)
 
 
 async def reclaim_expired(db: DB, limit: int = 1000) -> Moved:

@@ -99,7 +99,7 @@ async def test_release_agent_returns_its_jobs_and_counts_the_attempt(live_conn, 
     a_jobs = (await queue.lease(live_conn, ["train"], 2, "a#1", LEASE)).jobs
     b = await _lease_one(live_conn, "b#1")
     await notifications.drain(0.1)  # the inserts' own notifications
-    moved = await queue.release_agent(live_conn, "a#1")
+    moved = await queue.release_agent(live_conn, "a#1", started=[j.id for j in a_jobs])
     assert sorted(moved.pending) == sorted(j.id for j in a_jobs) and moved.dead == []
     for j in a_jobs:
         row = await job(live_conn, j.id)
@@ -113,10 +113,22 @@ async def test_release_agent_returns_its_jobs_and_counts_the_attempt(live_conn, 
 async def test_release_of_a_last_attempt_ends_dead(conn):
     jid = await conn.fetchval("INSERT INTO gpuq.jobs (kind, max_attempts) VALUES ('train', 1) RETURNING id")
     await queue.lease(conn, ["train"], 1, "a#1", LEASE)
-    moved = await queue.release_agent(conn, "a#1")
+    moved = await queue.release_agent(conn, "a#1", started=[jid])
     assert moved.dead == [jid]
     row = await job(conn, jid)
     assert row["status"] == "dead" and "disconnected" in row["last_error"]
+
+
+async def test_a_job_that_never_started_goes_back_without_its_attempt_even_on_its_last(conn):
+    never, orphan = [await conn.fetchval("INSERT INTO gpuq.jobs (kind, max_attempts) VALUES ('train', 1) "
+                                         "RETURNING id") for _ in range(2)]
+    await queue.lease(conn, ["train"], 2, "a#1", LEASE)
+    await conn.execute("UPDATE gpuq.jobs SET leased_by = 'b#1' WHERE id = $1", orphan)
+    assert (await queue.release_agent(conn, "a#1", started=[])).pending == [never]  # prefetched, or in flight
+    assert (await queue.release_jobs(conn, [orphan], undelivered=True)).pending == [orphan]  # never pushed
+    for jid in (never, orphan):
+        row = await job(conn, jid)
+        assert (row["status"], row["attempts"]) == ("pending", 0)
 
 
 async def test_cancel_live_job_fences_out_the_running_agent(conn):
@@ -195,7 +207,7 @@ async def test_outcomes_and_heartbeats_cost_o_batch_however_many_jobs_are_leased
                             (queries["fail_many"], (ids, tokens, ["x"] * 10, [True] * 10, b.base_seconds,
                                                 b.cap_seconds, b.jitter)),
                             (queries["heartbeat"], (ids, "a#1", LEASE)),
-                            (queries["release_jobs"], (ids, "released"))):
+                            (queries["release_jobs"], (ids, "released", False))):
         await _explain(conn, statement, *args)  # warm the plan and the caches
         buffers, indexes = await _explain(conn, statement, *args)
         assert "jobs_leased_idx" not in indexes and "jobs_pkey" in indexes, (statement, indexes)

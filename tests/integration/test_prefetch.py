@@ -48,7 +48,7 @@ async def test_a_draining_agent_gives_back_its_ready_job_at_once(dsn, pool):
     async with running_server(dsn, lease_seconds=300) as srv:
         first, second = await _jobs(pool, 2)
         agent = await srv.agent(["embed"], 1, _blocking(ran, release), "a", prefetch=1)
-        await wait_count(pool, "leased", 2)
+        await wait_for(lambda: _holds(srv, 2))
         agent.stop()
         await wait_count(pool, "pending", 1)  # while the first still runs
         assert await _attempts(pool, [second]) == [("pending", 0)]
@@ -63,16 +63,17 @@ async def test_a_cancelled_prefetched_job_never_starts(dsn, pool):
     async with running_server(dsn, lease_seconds=300) as srv:
         first, second = await _jobs(pool, 2)
         await srv.agent(["embed"], 1, _blocking(ran, release), "a", prefetch=1)
-        await wait_count(pool, "leased", 2)
+        await wait_for(lambda: _holds(srv, 2))
         assert await queue.cancel(pool, second) == {second: "leased"}
-
-        async def status_shows_it_gone() -> bool:
-            body = json.loads((await http_get(f"{srv.http}/status"))[2])
-            return body["agents"][0]["inflight"] == 1
-
-        await wait_for(status_shows_it_gone)  # the agent reported it, without running it
+        await wait_for(lambda: _holds(srv, 1))  # the agent reported it, without running it
         release.set()
         await wait_count(pool, "done", 1)
     assert ran == [first]
     assert (await _attempts(pool, [second]))[0][0] == "cancelled"
 
+
+
+async def _holds(srv, n: int) -> bool:
+    """The agent holds n jobs (pushed, not reported), and the first of them runs."""
+    [agent] = json.loads((await http_get(f"{srv.http}/status"))[2])["agents"]
+    return agent["inflight"] == n and agent["inflight"] - agent["unstarted"] == 1

@@ -276,3 +276,13 @@ def test_a_lost_connection_drops_the_ready_jobs():
     pushed(p, 1, 2)
     p.connection_lost()
     assert not p.ready and 2 not in p.running
+
+
+def test_jobs_pushed_while_draining_that_cannot_start_go_back_at_once():
+    p = slots()
+    pushed(p, 1)
+    p.drain()
+    p.frames_to_send()
+    assert pushed(p, 2) == []  # the push crossed the drain
+    assert {"type": "release", "ids": [2]} in [json.loads(f) for f in p.frames_to_send()]
+    assert set(p.running) == {1}

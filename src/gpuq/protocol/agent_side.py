@@ -155,7 +155,8 @@ class AgentProtocol:
     # -- slots ---------------------------------------------------------------
 
     def take(self, jobs: Iterable[JobMessage]) -> list[JobMessage]:
-        """Pushed jobs to start now; the others wait ready for ``next_job()``."""
+        """Pushed jobs to start now; the others wait ready for ``next_job()`` (or, pushed while the
+        agent drains, go back at once)."""
         now = []
         for job in jobs:
             if job.devices or self._slots_busy < self.hello.capacity:
@@ -163,6 +164,8 @@ class AgentProtocol:
                 now.append(job)
             else:
                 self.ready.append(job)
+        if self.draining:
+            self._release_ready()
         return now
 
     def job_started(self, job: JobMessage) -> None:
@@ -254,11 +257,15 @@ class AgentProtocol:
         self.draining = True
         if self.state is State.OPEN:
             self._control.append(encode(Drain()))
-            if self.ready:
-                self._control.append(encode(Release(tuple(job.id for job in self.ready))))
-                for job in self.ready:
-                    self.running.pop(job.id, None)
-                self.ready.clear()
+            self._release_ready()
+
+    def _release_ready(self) -> None:
+        """Give the ready jobs back: they will not start here."""
+        if self.ready and self.state is State.OPEN and self._speaks_started:
+            self._control.append(encode(Release(tuple(job.id for job in self.ready))))
+            for job in self.ready:
+                self.running.pop(job.id, None)
+            self.ready.clear()
 
     def frames_to_send(self) -> list[str]:
         if self.state is not State.OPEN:

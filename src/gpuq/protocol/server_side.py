@@ -210,6 +210,10 @@ class ServerProtocol:
             return []
         return [i for i in self.held if i not in self.started]
 
+    def started_ids(self) -> list[int]:
+        """Held jobs that started: whose attempt counts if the connection ends now."""
+        return list(self.started) if self.version >= PREFETCH_SINCE else list(self.held)
+
     def free_devices(self, min_memory_mb: int = 0) -> list[int]:
         """Indices of the devices no held job was given, with at least ``min_memory_mb`` (none while
         draining)."""

@@ -294,15 +294,15 @@ WHERE id = ANY($1::bigint[]) AND status::text = 'leased' AND leased_by = $2
 RETURNING id;
 
 -- name: release_agent
--- An agent left: its leased jobs go back to pending (dead, with error $2, when out of attempts); ids $3 it never started (prefetched) go back without counting the attempt.
+-- An agent left: its leased jobs go back to pending (dead, with error $2, when out of attempts); only ids $3 had started: the others (prefetched, or still on their way) go back without counting the attempt.
 UPDATE gpuq.jobs j
-SET status = CASE WHEN j.attempts >= j.max_attempts AND NOT picked.unstarted THEN 'dead'::gpuq.job_status
+SET status = CASE WHEN j.attempts >= j.max_attempts AND picked.started THEN 'dead'::gpuq.job_status
                   ELSE 'pending' END,
-    finished_at = CASE WHEN j.attempts >= j.max_attempts AND NOT picked.unstarted THEN now() END,
-    last_error = CASE WHEN j.attempts >= j.max_attempts AND NOT picked.unstarted THEN $2 ELSE j.last_error END,
-    attempts = j.attempts - picked.unstarted::int,
+    finished_at = CASE WHEN j.attempts >= j.max_attempts AND picked.started THEN now() END,
+    last_error = CASE WHEN j.attempts >= j.max_attempts AND picked.started THEN $2 ELSE j.last_error END,
+    attempts = j.attempts - (NOT picked.started)::int,
     lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
-FROM (SELECT id, id = ANY($3::bigint[]) AS unstarted FROM gpuq.jobs
+FROM (SELECT id, id = ANY($3::bigint[]) AS started FROM gpuq.jobs
       WHERE status = 'leased' AND leased_by = $1 FOR UPDATE) AS picked
 WHERE j.id = picked.id
 RETURNING j.id, j.kind, j.status;
@@ -317,11 +317,12 @@ WHERE j.id = picked.id AND given.id = j.id AND j.lease_token = given.token
 RETURNING j.id, j.kind, j.status;
 
 -- name: release_jobs
--- Give up the leases on ids $1 (shutdown, undeliverable jobs): back to pending, or dead with error $2.
+-- Give up the leases on ids $1 (shutdown, undeliverable jobs): back to pending, or dead with error $2; $3: they never reached an agent, so the attempt does not count.
 UPDATE gpuq.jobs j
-SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead'::gpuq.job_status ELSE 'pending' END,
-    finished_at = CASE WHEN j.attempts >= j.max_attempts THEN now() END,
-    last_error = CASE WHEN j.attempts >= j.max_attempts THEN $2 ELSE j.last_error END,
+SET status = CASE WHEN j.attempts >= j.max_attempts AND NOT $3 THEN 'dead'::gpuq.job_status ELSE 'pending' END,
+    finished_at = CASE WHEN j.attempts >= j.max_attempts AND NOT $3 THEN now() END,
+    last_error = CASE WHEN j.attempts >= j.max_attempts AND NOT $3 THEN $2 ELSE j.last_error END,
+    attempts = j.attempts - $3::boolean::int,
     lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
 FROM (SELECT id FROM gpuq.jobs WHERE status::text = 'leased' AND id = ANY($1::bigint[]) FOR UPDATE) AS picked
 WHERE j.id = picked.id
