@@ -223,18 +223,18 @@ class Agent:
         await asyncio.gather(*(self._run_slot(job, is_async) for job in self.protocol.take(jobs)))
 
     async def _run_slot(self, job: Job | None, is_async: bool) -> None:
-        """Run ``job``, then at once each ready job the protocol gives this slot. Each handler is its
-        own task, kept by job id so that a ``cancel`` stops that handler alone."""
+        """Run ``job``, then at once each ready job the protocol gives this slot, in this one task:
+        a ``cancel`` cancels the task while that job's handler runs (``_run_job`` takes it back)."""
+        task = asyncio.current_task()
         while job is not None:
             self.protocol.job_started(job)
-            task = asyncio.ensure_future(self._run_job(job, is_async))
-            if is_async:
+            if is_async and task is not None:
                 self._tasks[job.id] = task
-            # The sender goes after the handler: the outcome of the job before, and this start, in one
-            # frame, while the handler already runs.
+            # The sender runs at the handler's first await: the outcome of the job before and this
+            # start go out in one frame while the handler already runs.
             self._ready.set()
             try:
-                await task
+                await self._run_job(job, is_async)
             finally:
                 self._tasks.pop(job.id, None)
             job = self.protocol.next_job(job)
@@ -267,6 +267,8 @@ class Agent:
         except asyncio.CancelledError:
             if not job.cancelled:
                 raise  # the agent is stopping, not the job
+            if (task := asyncio.current_task()) is not None:
+                task.uncancel()  # the slot's task goes on with its next job
             self.protocol.job_failed(job, "cancelled", retryable=False)
         except PermanentError as exc:
             self.protocol.job_failed(job, _summary(exc), retryable=False)

@@ -77,3 +77,23 @@ async def _holds(srv, n: int) -> bool:
     """The agent holds n jobs (pushed, not reported), and the first of them runs."""
     [agent] = json.loads((await http_get(f"{srv.http}/status"))[2])["agents"]
     return agent["inflight"] == n and agent["inflight"] - agent["unstarted"] == 1
+
+
+async def test_after_a_running_job_is_cancelled_its_slot_runs_the_ready_one_with_its_own_timeout(dsn, pool):
+    ran: list[int] = []
+
+    async def hang(job):
+        ran.append(job.id)
+        await anyio.sleep(60)
+
+    async with running_server(dsn, lease_seconds=300) as srv:
+        cancelled, timed = [r[0] for r in await pool.fetch(
+            "INSERT INTO gpuq.jobs (kind, timeout_seconds, max_attempts) VALUES ('embed', NULL, 1), ('embed', 1, 1) "
+            "RETURNING id")]
+        await srv.agent(["embed"], 1, hang, "a", prefetch=1)
+        await wait_for(lambda: _holds(srv, 2))
+        await queue.cancel(pool, cancelled)
+        await wait_count(pool, "dead", 1)  # the next job ran in the same slot and hit its own timeout
+    assert ran == [cancelled, timed]
+    rows = await pool.fetch("SELECT status::text, last_error FROM gpuq.jobs ORDER BY id")
+    assert [tuple(r) for r in rows] == [("cancelled", "cancelled"), ("dead", "timeout")]
