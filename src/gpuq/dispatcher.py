@@ -342,7 +342,7 @@ class Dispatcher:
         """Wait for a reason to lease (a notification, freed credit, a poll), then lease."""
         polled = False
         if not self._wake.is_set():
-            timeout = _earliest(await self._wait_limit(), self._cold_wait())
+            timeout = _earliest(await self._wait_limit(), self._cold_wait(), self._shapes_wait())
             with anyio.move_on_after(timeout) as scope:
                 await self._wake.wait()
             if scope.cancelled_caught:
@@ -364,8 +364,6 @@ class Dispatcher:
         """
         if not self._any_free():
             return None  # only freed credit gives it something to do
-        if self._shapes_stale:
-            return max(0.0, self._shapes_at + SHAPES_SECONDS - time.monotonic())
         if self._busy:
             return self.config.busy_poll_seconds  # work keeps coming: poll, producers need not notify
         if not self.listening:
@@ -392,6 +390,13 @@ class Dispatcher:
         self._arm_at = now + (armed.until - armed.now_ms) / 2000  # half the mark's life left
         if lapsed:
             self._stragglers, self._owe_pass = armed.stragglers, True
+
+    def _shapes_wait(self) -> float | None:
+        """Seconds until a throttled read of the shapes is due (None: none owed). A wait, not a
+        reason to skip arming the wake-up mark: producers must keep notifying meanwhile."""
+        if not self._shapes_stale or not self.sessions or not self._any_free():
+            return None
+        return max(0.0, self._shapes_at + SHAPES_SECONDS - time.monotonic())
 
     def _cold_wait(self) -> float | None:
         """Seconds until a job held for a warm agent may go cold (None: none held, or no room)."""

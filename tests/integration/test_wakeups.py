@@ -265,3 +265,23 @@ async def test_the_wake_up_path_never_plans_a_scan_the_guards_price_out(live_con
         assert plans, statement
         assert not [p for p in plans if "Seq Scan" in p or "JIT" in p], (statement, plans)
     assert await live_conn.fetchval("SHOW jit") == "off"
+
+
+async def test_the_mark_stays_armed_while_a_shapes_read_is_throttled(dsn, pool, monkeypatch):
+    """A notification asks for the shapes; the read is throttled, so the dispatcher
+    waits for it. That wait must arm the mark like any other: a job inserted
+    meanwhile notifies and is leased at once, not when the throttle ends."""
+    monkeypatch.setattr("gpuq.dispatcher.WAKE_MARK_MS", 30)  # lapses long before the throttle ends
+    monkeypatch.setattr("gpuq.dispatcher.SHAPES_SECONDS", 30.0)
+    arrived: dict[int, anyio.Event] = {}
+
+    async def handle(job):
+        arrived.setdefault(job.id, anyio.Event()).set()
+
+    async with running_server(dsn, poll_seconds=60) as srv:
+        await srv.agent(["work"], 4, handle)
+        for _ in range(3):  # the first read is free; each later one waits out the throttle
+            job_id = await pool.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('work') RETURNING id")
+            with anyio.fail_after(10):  # well before the throttle's 30 s or the poll's 60 s
+                await arrived.setdefault(job_id, anyio.Event()).wait()
+            await anyio.sleep(0.2)  # the mark of the lease before has lapsed
