@@ -114,6 +114,7 @@ class Agent:
         self._ready = asyncio.Event()  # the protocol has frames to send
         self._stop_event = asyncio.Event()
         self._tasks: dict[int, asyncio.Task[None]] = {}  # job id -> its async handler's task
+        self._session_tasks: anyio.abc.TaskGroup | None = None  # the connection's: jobs run in it
         self._progress_due = asyncio.Event()  # a handler reported progress since the last send
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -180,6 +181,7 @@ class Agent:
             self._ready.set()  # outcomes the last connection did not see acked go first
             try:
                 async with anyio.create_task_group() as tg:
+                    self._session_tasks = tg
                     tg.start_soon(self._sender, ws)
                     tg.start_soon(self._heartbeats, welcome.heartbeat_seconds)
                     tg.start_soon(self._progress_sender)
@@ -220,11 +222,16 @@ class Agent:
         self._loop = asyncio.get_running_loop()
         for job in jobs:
             protocol.attach_reporter(job, self._report_progress)
-        await asyncio.gather(*(self._run_slot(job, is_async) for job in self.protocol.take(jobs)))
+        await self._run_slots(self.protocol.take(jobs), is_async)
+
+    async def _run_slots(self, jobs: list[Job], is_async: bool) -> None:
+        await asyncio.gather(*(self._run_slot(job, is_async) for job in jobs))
 
     async def _run_slot(self, job: Job | None, is_async: bool) -> None:
         """Run ``job``, then at once each ready job the protocol gives this slot, in this one task:
-        a ``cancel`` cancels the task while that job's handler runs (``_run_job`` takes it back)."""
+        a ``cancel`` cancels the task while that job's handler runs (``_run_job`` takes it back).
+        A job with several devices may free them for several ready jobs: the others start in
+        the session's task group."""
         task = asyncio.current_task()
         while job is not None:
             self.protocol.job_started(job)
@@ -237,7 +244,10 @@ class Agent:
                 await self._run_job(job, is_async)
             finally:
                 self._tasks.pop(job.id, None)
-            job = self.protocol.next_job(job)
+            job, *others = self.protocol.next_jobs(job) or [None]
+            if others:
+                assert self._session_tasks is not None  # jobs come only within a session
+                self._session_tasks.start_soon(self._run_slots, others, is_async)
         self._ready.set()  # the last outcome
 
     def _cancel(self, ids: tuple[int, ...]) -> None:

@@ -123,6 +123,9 @@ class AgentSession:
     def free_devices(self, min_memory_mb: int = 0) -> list[int]:
         return self.protocol.free_devices(min_memory_mb)
 
+    def ready_devices(self, min_memory_mb: int = 0) -> list[int]:
+        return self.protocol.ready_devices(min_memory_mb)
+
     @property
     def draining(self) -> bool:
         return self.protocol.draining
@@ -412,7 +415,7 @@ class Dispatcher:
         self._notified_all = True
 
     def _any_free(self) -> bool:
-        return any(s.free or s.free_devices() for s in self.sessions.values())
+        return any(s.free or s.free_devices() or s.ready_devices() for s in self.sessions.values())
 
     async def _lease_pass(self, polled: bool = False) -> None:
         if self._confirm:
@@ -466,16 +469,25 @@ class Dispatcher:
         for warm_only in (True, False):  # every shape's warm agents first, then the rest
             for key, shape in work:
                 await self._lease_shape(key, shape, warm_only)
+        # Then, prefetch: jobs no free device took wait ready on busy devices, warm ones first.
+        for warm_only in (True, False):
+            for key, shape in work:
+                if shape.gpus and (warm_only or not self._holds_for_warm(shape)):
+                    await self._lease_shape(key, shape, warm_only, ready=True)
         self._cold_at = {key: at for key, at in self._cold_at.items() if key not in self._placed_empty}
 
-    async def _lease_shape(self, key: tuple[str, str], shape: queue.Shape, warm_only: bool) -> None:
+    async def _lease_shape(self, key: tuple[str, str], shape: queue.Shape, warm_only: bool,
+                           ready: bool = False) -> None:
+        """Lease a shape's jobs for the agents with room (``ready``: room to hold them ready on busy
+        devices); ``warm_only``: those holding its model warm, else the others, by ``_cold_slots``."""
         while key not in self._placed_empty and not self.stopping:
-            slots = placement.slots(shape, self.sessions.values(), self.config.max_batch, self.reserved, warm_only)
+            slots = placement.slots(shape, self.sessions.values(), self.config.max_batch, self.reserved, warm_only,
+                                    ready)
             if not slots:
-                if not warm_only:
+                if not warm_only and not ready:
                     self._cold_at.pop(key, None)  # a hold counts only while a cold agent has room
                 return
-            if not warm_only and not (slots := self._cold_slots(key, shape, slots)):
+            if not warm_only and not ready and not (slots := self._cold_slots(key, shape, slots)):
                 return
             with metrics.LEASE_SECONDS.time():
                 if self._limited(shape):
@@ -503,14 +515,18 @@ class Dispatcher:
         next jobs want. After a spill the next hold starts afresh, so a model
         in more demand than its warm agents serve spreads one agent per wait.
         """
-        if not shape.model or not self.config.warm_wait_seconds \
-                or not placement.warm_somewhere(shape, self.sessions.values()):
+        if not self._holds_for_warm(shape):
             return slots
         now = time.monotonic()
         if self._cold_at.setdefault(key, now + self.config.warm_wait_seconds) > now:
             return []  # the pass then is due (_cold_wait)
         del self._cold_at[key]
         return [sid for sid in slots if sid == slots[0]]
+
+    def _holds_for_warm(self, shape: queue.Shape) -> bool:
+        """Whether the shape's jobs wait a while for an agent holding their model warm."""
+        return bool(shape.model and self.config.warm_wait_seconds
+                    and placement.warm_somewhere(shape, self.sessions.values()))
 
     async def _reserve(self) -> None:
         """Keep an agent for each multi-GPU shape whose next job has waited past reserve_after_seconds.

@@ -6,6 +6,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+from gpuq.protocol.slots import GAP_BUCKETS_MS, SlotReport
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -61,3 +64,36 @@ def show_devices(agents: Iterable[tuple[str, Iterable[Any], dict[int, Any]]]) ->
             if (u := usage.get(d.index)) is not None:
                 DEVICE_MEMORY_USED.labels(agent=agent, device=index).set(u.memory_used_mb << 20)
                 DEVICE_UTILIZATION.labels(agent=agent, device=index).set(u.utilization / 100)
+
+
+class SlotGaps:
+    """``gpuq_slot_gap_seconds``: the idle gaps agents report (protocol 6), a histogram built from
+    their per-bucket counts (prometheus_client's Histogram only observes single values); and
+    ``gpuq_slot_busy_seconds_total``, their handler time. Busy fraction over a range:
+    busy / (busy + gap sum)."""
+
+    def __init__(self) -> None:
+        self._counts = [0] * (len(GAP_BUCKETS_MS) + 1)
+        self._gap_seconds = 0.0
+        self._busy_seconds = 0.0
+
+    def add(self, report: SlotReport) -> None:
+        for i, n in enumerate(report.gaps):
+            self._counts[i] += n
+        self._gap_seconds += report.idle_ms / 1000
+        self._busy_seconds += report.busy_ms / 1000
+
+    def collect(self) -> Iterable[Any]:
+        cumulative, buckets = 0, []
+        for bound, n in zip((*GAP_BUCKETS_MS, float("inf")), self._counts, strict=True):
+            cumulative += n
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound / 1000), cumulative))
+        yield HistogramMetricFamily("gpuq_slot_gap_seconds", "Idle gaps of agents' slots between one job and "
+                                    "the next while it waited (reported by protocol 6 agents)",
+                                    buckets=buckets, sum_value=self._gap_seconds)
+        yield CounterMetricFamily("gpuq_slot_busy_seconds", "Handler time reported by protocol 6 agents",
+                                  value=self._busy_seconds)
+
+
+SLOT_GAPS = SlotGaps()
+REGISTRY.register(SLOT_GAPS)  # type: ignore[arg-type]

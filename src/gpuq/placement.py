@@ -13,6 +13,9 @@ placement"):
   the rest are taken round-robin; while an agent that holds it warm is
   connected, the job waits for it up to ``warm_wait_seconds`` before it goes
   to a cold one (the dispatcher's rule: it needs the job's wait);
+- only when no free device anywhere takes a job may it be held ready on a
+  busy device (prefetch, protocol 6: one per device, started when the device
+  frees), warm agents first, cold ones only for a model warm nowhere;
 - an agent reserved for a multi-GPU shape (its next job waited past
   ``reserve_after_seconds``) gives its devices to that shape alone, so
   single-GPU jobs cannot keep it from ever having enough free at once.
@@ -51,6 +54,7 @@ class Candidate(Protocol):
     @property
     def free(self) -> int: ...
     def free_devices(self, min_memory_mb: int) -> list[int]: ...
+    def ready_devices(self, min_memory_mb: int) -> list[int]: ...
 
 
 def could_run(shape: Shape, agent: Candidate) -> bool:
@@ -64,26 +68,29 @@ def could_run(shape: Shape, agent: Candidate) -> bool:
     return shape.gpus <= sum(d.memory_mb >= (shape.gpu_memory_mb or 0) for d in agent.devices)
 
 
-def room(shape: Shape, agent: Candidate, reserved: Mapping[str, ShapeKey] = NONE) -> int:
+def room(shape: Shape, agent: Candidate, reserved: Mapping[str, ShapeKey] = NONE, ready: bool = False) -> int:
     """How many of ``shape``'s jobs ``agent`` can start now; ``reserved``: agent id -> the shape
-    whose jobs alone may take that agent's devices (a multi-GPU job that waited too long)."""
+    whose jobs alone may take that agent's devices (a multi-GPU job that waited too long).
+    ``ready``: how many it can hold ready instead, one per busy device, to start when it frees
+    (prefetch; jobs without GPUs have theirs in ``free``)."""
     if agent.draining or not could_run(shape, agent):
         return 0
     if shape.gpus == 0:
-        return agent.free
+        return 0 if ready else agent.free
     if reserved.get(agent.id, (shape.kind, shape.shape)) != (shape.kind, shape.shape):
         return 0
-    return len(agent.free_devices(shape.gpu_memory_mb or 0)) // shape.gpus
+    devices = agent.ready_devices if ready else agent.free_devices
+    return len(devices(shape.gpu_memory_mb or 0)) // shape.gpus
 
 
 def slots(shape: Shape, agents: Iterable[Candidate], limit: int, reserved: Mapping[str, ShapeKey] = NONE,
-          warm_only: bool = False) -> list[str]:
+          warm_only: bool = False, ready: bool = False) -> list[str]:
     """Agent ids, one per job to lease now, at most ``limit``: warm agents first, each round-robin
-    (``warm_only``: none of the others)."""
+    (``warm_only``: none of the others; ``ready``: to hold ready on busy devices)."""
     warm: list[list[str]] = []
     cold: list[list[str]] = []
     for agent in agents:
-        if n := room(shape, agent, reserved):
+        if n := room(shape, agent, reserved, ready):
             (warm if holds_warm(shape, agent) else cold).append([agent.id] * n)
     return (_round_robin(warm) + ([] if warm_only else _round_robin(cold)))[:limit]
 

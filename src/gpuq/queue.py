@@ -47,6 +47,7 @@ class LeasedJob:
     timeout_seconds: int | None = None  # this attempt's limit: the agent stops the handler then
     gpus: int = 0  # placed jobs: devices to give it on its agent, each with at least gpu_memory_mb
     gpu_memory_mb: int | None = None
+    queued_ms: int | None = None  # how long it had been due when leased (the agent counts gaps by it)
 
     @property
     def payload(self) -> Any:
@@ -297,7 +298,8 @@ async def lease_placed(db: DB, shape: Shape, slots: Sequence[str], lease_seconds
 
 def _placed_jobs(shape: Shape, rows: list[Any]) -> list[LeasedJob]:
     return [LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
-                      r["leased_by"], r["payload_json"], r["timeout_seconds"], shape.gpus, shape.gpu_memory_mb)
+                      r["leased_by"], r["payload_json"], r["timeout_seconds"], shape.gpus, shape.gpu_memory_mb,
+                      r["queued_ms"])
             for r in sorted(rows, key=_BY_SLOT)]
 
 
@@ -354,7 +356,7 @@ async def placed_pending(db: DB) -> dict[tuple[str, str], tuple[int, datetime]]:
 
 def _leased(r: Any) -> LeasedJob:
     return LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
-                     r["leased_by"], r["payload_json"], r["timeout_seconds"])
+                     r["leased_by"], r["payload_json"], r["timeout_seconds"], queued_ms=r.get("queued_ms"))
 
 
 # --------------------------------------------------------------------------

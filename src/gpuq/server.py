@@ -28,7 +28,7 @@ from gpuq.config import ConfigError, ServerConfig
 from gpuq.dispatcher import AgentSession, Dispatcher
 from gpuq.maintenance import Maintainer
 from gpuq.migrate import pending_migrations
-from gpuq.protocol import CloseCode, Welcome, server_side
+from gpuq.protocol import PREFETCH_SINCE, CloseCode, Welcome, server_side, slots
 from gpuq.protocol.server_side import ServerProtocol
 from gpuq.sql import queries
 
@@ -137,21 +137,40 @@ class AgentServer:
         body["unplaceable"] = await self.d.unplaceable()
         body["limits"] = await queue.limits(self.d.pool)
         body["agents_connected"] = len(self.d.sessions)
+        body["slots"] = self._slots_status()
         return body
+
+    def _slots_status(self) -> dict[str, Any]:
+        """The fleet's busy fraction over the last minute: handler time over handler time plus the
+        idle gaps while work waited, as this server's protocol 6 agents reported them."""
+        now = time.monotonic()
+        busy = idle = 0.0
+        for s in self.d.sessions.values():
+            b, i = s.protocol.busy.totals(now)
+            busy, idle = busy + b, idle + i
+        return {"busy_fraction": slots.busy_fraction(busy, idle), "busy_seconds": round(busy / 1000, 3),
+                "gap_seconds": round(idle / 1000, 3), "window_seconds": slots.BUSY_WINDOW_SECONDS}
 
     def _agent_status(self, s: AgentSession) -> dict[str, Any]:
         proto = s.protocol
-        holder = {i: job_id for job_id, given in proto.devices_in_use.items() for i in given}
+        holder: dict[int, int] = {}  # device -> the job running there
+        ready: dict[int, int] = {}  # device -> the job waiting for it (prefetched)
+        for job_id, given in proto.devices_in_use.items():
+            started = job_id in proto.started or proto.version < PREFETCH_SINCE
+            for i in given:
+                (holder if started else ready)[i] = job_id
         devices = []
         for d in s.devices:
             usage = proto.usage.get(d.index)
             devices.append({"index": d.index, "name": d.name, "memory_mb": d.memory_mb,
                             "utilization": usage.utilization if usage else None,
-                            "memory_used_mb": usage.memory_used_mb if usage else None, "job": holder.get(d.index)})
+                            "memory_used_mb": usage.memory_used_mb if usage else None, "job": holder.get(d.index),
+                            "next": ready.get(d.index)})
         reserved = self.d.reserved.get(s.id)
         shape = self.d.shape(reserved) if reserved else None
         return {"agent": s.id, "kinds": sorted(s.kinds), "capacity": s.capacity, "prefetch": proto.prefetch,
                 "inflight": len(s.inflight), "unstarted": len(proto.unstarted()),
+                "busy_fraction": slots.busy_fraction(*proto.busy.totals(time.monotonic())),
                 "draining": s.draining, "protocol": proto.version, "remote": s.remote, "devices": devices,
                 "labels": list(proto.labels), "models": list(proto.models),
                 "reserved_for": {"kind": shape.kind, "gpus": shape.gpus} if shape else None,
@@ -238,6 +257,8 @@ class AgentServer:
             self.d.agent_updated(session)
         elif isinstance(event, server_side.JobsReleased):
             await self.d.released(session, event.jobs)
+        elif isinstance(event, server_side.SlotsReported):
+            metrics.SLOT_GAPS.add(event.report)
         else:
             self._refused([event])
 

@@ -127,6 +127,8 @@ def test_busy_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
     got = run_bench(capsys, server_dsn, "busy", "--agents", "2", "--jobs", "20", "--sleep-ms", "5")
     assert {"busy_fraction_async", "busy_fraction_sync", "gap_p50_ms", "gap_p99_ms", "duplicate_starts",
             "busy_fraction_async_no_prefetch", "busy_fraction_sync_no_prefetch", "gap_p50_ms_no_prefetch",
-            "gap_p99_ms_no_prefetch"} <= got.keys()
+            "gap_p99_ms_no_prefetch", "busy_fraction_reported_async", "busy_fraction_reported_sync_no_prefetch"
+            } <= got.keys()
     assert got["duplicate_starts"] == 0
     assert 0 < got["busy_fraction_async"] <= 1 and 0 < got["busy_fraction_sync"] <= 1
+    assert 0 < got["busy_fraction_reported_async"] <= 1

@@ -33,7 +33,7 @@ async def test_an_agent_describes_itself_and_changes_its_models_without_reconnec
         [me] = (await status(srv))["agents"]
         assert me["protocol"] == PROTOCOL_VERSION and me["labels"] == ["gpu=h100", "region=eu"] and me["models"] == ["llama-8b"]
         assert me["devices"] == [{"index": i, "name": "h100", "memory_mb": 81920, "utilization": None,
-                                  "memory_used_mb": None, "job": None} for i in (0, 1)]
+                                  "memory_used_mb": None, "job": None, "next": None} for i in (0, 1)]
         agent.set_models(["llama-8b", "sdxl"])
 
         async def updated() -> bool:
@@ -68,7 +68,8 @@ async def test_device_usage_from_heartbeats_shows_in_status_and_metrics(dsn):
 
         await wait_for(reported)
         assert (await status(srv))["agents"][0]["devices"] == [
-            {"index": 3, "name": "a10", "memory_mb": 24576, "utilization": 87, "memory_used_mb": 20000, "job": None}]
+            {"index": 3, "name": "a10", "memory_mb": 24576, "utilization": 87, "memory_used_mb": 20000, "job": None,
+             "next": None}]
         text = (await http_get(f"{srv.http}/metrics"))[2]
         samples = {(s.name, s.labels.get("device")): s.value
                    for f in text_string_to_metric_families(text) for s in f.samples if "agent" in s.labels}
@@ -154,9 +155,15 @@ async def test_gpu_jobs_get_their_own_devices_on_an_agent_that_fits(dsn, live_co
             return len(runs) == 2
 
         await wait_for(started)
+
+        async def held_ready() -> bool:  # prefetch: it waits on the h100 box for device 0, not started
+            h100 = next(a for a in (await status(srv))["agents"] if a["agent"].startswith("h100-box"))
+            return [(d["job"], d["next"]) for d in h100["devices"]] == [(two, waiting), (two, None)]
+
+        await wait_for(held_ready)
         await anyio.sleep(0.2)
         assert sorted(runs) == [("a10", a10, (0,)), ("h100", two, (0, 1))]
-        assert await live_conn.fetchval("SELECT status::text FROM gpuq.jobs WHERE id = $1", waiting) == "pending"
+        assert await live_conn.fetchval("SELECT status::text FROM gpuq.jobs WHERE id = $1", waiting) == "leased"
         release.set()
 
         async def all_done() -> bool:
@@ -224,13 +231,14 @@ async def test_a_job_goes_where_its_model_is_warm(dsn, live_conn):
         assert runs[-1][0] == "cold"
 
 
-async def _warm_agent_busy(srv, conn, runs: list, release: anyio.Event, cold: int = 1) -> None:
+async def _warm_agent_busy(srv, conn, runs: list, release: anyio.Event, cold: int = 1, prefetch: int = 1) -> None:
     """A 'warm' agent holding llama, busy with a llama job until ``release``; ``cold`` free agents
     'cold', 'cold1', ... that hold no model (their jobs too run until ``release``)."""
     for i in range(cold):
         name = f"cold{i or ''}"
-        await srv.agent(["train"], 1, recorder(name, runs, release), name, devices=H100S[:1])
-    await srv.agent(["train"], 1, recorder("warm", runs, release), "warm", devices=H100S[:1], models=["llama"])
+        await srv.agent(["train"], 1, recorder(name, runs, release), name, devices=H100S[:1], prefetch=prefetch)
+    await srv.agent(["train"], 1, recorder("warm", runs, release), "warm", devices=H100S[:1], models=["llama"],
+                    prefetch=prefetch)
     await enqueue(conn, "train", gpus=1, model="llama")
 
     async def busy() -> bool:
@@ -254,6 +262,8 @@ async def test_a_job_waits_for_its_busy_warm_agent_rather_than_load_cold(dsn, li
         assert runs[1][:2] == ("cold", nowhere_warm)
         await anyio.sleep(0.3)
         assert len(runs) == 2  # the cold agent is free again, but llama is warm on the busy one
+        [warm] = [a for a in (await status(srv))["agents"] if a["agent"].startswith("warm")]
+        assert warm["devices"][0]["next"] == held  # prefetch: ready there, to start when it frees
         release.set()
 
         async def third() -> bool:
@@ -267,7 +277,8 @@ async def test_held_jobs_go_cold_one_agent_per_warm_wait(dsn, live_conn):
     runs: list = []
     release = anyio.Event()
     async with running_server(dsn, poll_seconds=60, warm_wait_seconds=0.3) as srv:  # no poll: a timer wakes it
-        await _warm_agent_busy(srv, live_conn, runs, release, cold=2)
+        # Without prefetch: with it, the first held job would wait ready on the warm agent.
+        await _warm_agent_busy(srv, live_conn, runs, release, cold=2, prefetch=0)
         held = [await enqueue(live_conn, "train", gpus=1, model="llama") for _ in range(2)]
 
         async def spilled() -> bool:

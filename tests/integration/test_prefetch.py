@@ -97,3 +97,56 @@ async def test_after_a_running_job_is_cancelled_its_slot_runs_the_ready_one_with
     assert ran == [cancelled, timed]
     rows = await pool.fetch("SELECT status::text, last_error FROM gpuq.jobs ORDER BY id")
     assert [tuple(r) for r in rows] == [("cancelled", "cancelled"), ("dead", "timeout")]
+
+
+# -- jobs ready on busy devices, the slots' busy fraction (protocol 6) ---------------
+
+GPU_HELLO_6 = {"protocol": 6, "devices": [{"index": 0, "name": "h100", "memory_mb": 81920}], "labels": [],
+               "models": [], "prefetch": 1}
+
+
+async def test_a_job_ready_on_a_busy_device_goes_back_at_once_when_its_agent_disconnects(dsn, pool):
+    async with running_server(dsn, lease_seconds=300) as srv:
+        ids = [r[0] for r in await pool.fetch(
+            "INSERT INTO gpuq.jobs (kind, gpus) SELECT 'train', 1 FROM generate_series(1, 3) RETURNING id")]
+        ws, _ = await raw_agent(srv, kinds=("train",), capacity=1, **GPU_HELLO_6)
+        pushed: list[dict] = []
+        while len(pushed) < 2:
+            pushed += (await next_of(ws, "jobs"))["jobs"]
+        assert [(j["id"], j["devices"]) for j in pushed] == [(ids[0], [0]), (ids[1], [0])]  # one runs, one waits
+        assert all(j["queued_ms"] >= 0 for j in pushed)
+        await ws.send(json.dumps({"type": "started", "ids": [ids[0]]}))
+        await ws.close()
+        await wait_count(pool, "pending", 3, timeout=5)
+    rows = await pool.fetch("SELECT id, attempts FROM gpuq.jobs WHERE id = ANY($1) ORDER BY id", ids)
+    assert [r["attempts"] for r in rows] == [1, 0, 0]
+
+
+def _sample(text: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+async def test_agents_report_busy_time_and_gaps_to_metrics_and_status(dsn, pool):
+    async def work(job):
+        await anyio.sleep(0.01)
+
+    async with running_server(dsn, heartbeat_seconds=0.2) as srv:
+        before = (await http_get(f"{srv.http}/metrics"))[2]
+        await _jobs(pool, 30)
+        await srv.agent(["embed"], 1, work, "a", prefetch=1)
+        await wait_count(pool, "done", 30)
+
+        async def reported() -> bool:
+            text = (await http_get(f"{srv.http}/metrics"))[2]
+            return _sample(text, "gpuq_slot_gap_seconds_count") - _sample(before, "gpuq_slot_gap_seconds_count") == 30
+
+        await wait_for(reported)  # one gap per start, the first from the agent's connect
+        text = (await http_get(f"{srv.http}/metrics"))[2]
+        busy = _sample(text, "gpuq_slot_busy_seconds_total") - _sample(before, "gpuq_slot_busy_seconds_total")
+        assert 0.3 <= busy < 3  # 30 handlers of 10 ms, each measured by the agent
+        body = json.loads((await http_get(f"{srv.http}/status"))[2])
+        fraction = body["slots"]["busy_fraction"]
+        assert 0 < fraction <= 1 and body["slots"]["busy_seconds"] >= 0.3
+        assert body["agents"][0]["busy_fraction"] == fraction  # the only agent

@@ -6,6 +6,7 @@ import pytest
 
 from gpuq.protocol import (
     Ack,
+    Device,
     Hello,
     JobMessage,
     Jobs,
@@ -228,14 +229,14 @@ def test_a_slot_runs_one_job_and_the_next_waits_ready_until_it_ends():
     first = p.running[1]
     p.job_started(first)
     p.job_done(first, None)
-    nxt = p.next_job(first)
-    assert nxt is not None and nxt.id == 2 and not p.ready
+    [nxt] = p.next_jobs(first)
+    assert nxt.id == 2 and not p.ready
     p.job_started(nxt)
     [frame] = [json.loads(f) for f in p.frames_to_send()]
     assert frame["type"] == "results" and frame["started"] == [1, 2]  # one frame: the outcome and both starts
     assert isinstance(parse_client(json.dumps(frame), 4096), Results)
     p.job_done(nxt, None)
-    assert p.next_job(nxt) is None
+    assert p.next_jobs(nxt) == []
     assert pushed(p, 3) == [3]  # the slot is free again
 
 
@@ -268,7 +269,7 @@ def test_drain_gives_the_ready_jobs_back_and_they_never_start():
     assert set(p.running) == {1}
     first = p.running[1]
     p.job_done(first, None)
-    assert p.next_job(first) is None
+    assert p.next_jobs(first) == []
 
 
 def test_a_lost_connection_drops_the_ready_jobs():
@@ -286,3 +287,144 @@ def test_jobs_pushed_while_draining_that_cannot_start_go_back_at_once():
     assert pushed(p, 2) == []  # the push crossed the drain
     assert {"type": "release", "ids": [2]} in [json.loads(f) for f in p.frames_to_send()]
     assert set(p.running) == {1}
+
+
+# -- jobs ready on busy devices, slot accounting (protocol 6) -----------------
+
+WELCOME_6 = WELCOME.replace('"protocol": 1', '"protocol": 6')
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def gpu_agent(clock: Clock, devices: int = 2, capacity: int = 1) -> AgentProtocol:
+    hello = Hello("a", ("embed",), capacity, devices=tuple(Device(i, "gpu", 1024) for i in range(devices)),
+                  prefetch=1)
+    p = AgentProtocol(hello, clock=clock)
+    p.connection_made()
+    p.frames_to_send()
+    p.receive(WELCOME_6)
+    return p
+
+
+def gpu_jobs(*jobs: tuple[int, list[int]], queued_ms: int = 0) -> str:
+    return json.dumps({"type": "jobs", "jobs": [
+        {"id": i, "lease_token": TOKEN, "kind": "embed", "payload": None, "attempt": 1, "devices": d,
+         "queued_ms": queued_ms} for i, d in jobs]})
+
+
+def finish(p: AgentProtocol, job_id: int) -> list[int]:
+    job = p.running[job_id]
+    p.job_done(job, None)
+    return [j.id for j in p.next_jobs(job)]
+
+
+def test_a_job_for_a_busy_device_starts_when_that_device_frees():
+    p = gpu_agent(Clock())
+    assert [j.id for j in p.take(p.receive(gpu_jobs((1, [0]), (2, [1]))).jobs)] == [1, 2]
+    assert [j.id for j in p.take(p.receive(gpu_jobs((3, [0]))).jobs)] == []  # device 0 runs job 1
+    assert [j.id for j in p.ready_gpu] == [3]
+    assert finish(p, 2) == []  # device 1 freeing does nothing for it
+    assert finish(p, 1) == [3]
+
+
+def test_each_device_runs_its_jobs_in_push_order_so_a_multi_gpu_job_is_not_overtaken():
+    p = gpu_agent(Clock())
+    p.take(p.receive(gpu_jobs((1, [0]), (2, [1]))).jobs)
+    assert p.take(p.receive(gpu_jobs((3, [0, 1]), (4, [0]))).jobs) == []
+    assert finish(p, 1) == []  # device 0 is free, but job 3 came first and waits for device 1
+    assert finish(p, 2) == [3]
+    assert finish(p, 3) == [4]
+
+
+def test_a_multi_gpu_job_frees_its_devices_for_several_ready_jobs_at_once():
+    p = gpu_agent(Clock())
+    p.take(p.receive(gpu_jobs((1, [0, 1]))).jobs)
+    p.take(p.receive(gpu_jobs((2, [0]), (3, [1]))).jobs)
+    assert finish(p, 1) == [2, 3]
+
+
+def test_ready_gpu_jobs_are_released_on_drain_and_cancelled_before_they_start():
+    p = gpu_agent(Clock())
+    p.take(p.receive(gpu_jobs((1, [0]), (2, [1]))).jobs)
+    p.take(p.receive(gpu_jobs((3, [0]), (4, [1]))).jobs)
+    msg = p.receive(json.dumps({"type": "cancel", "ids": [3]}))
+    assert msg.ids == () and 3 not in p.running
+    p.drain()
+    assert {"type": "release", "ids": [4]} in [json.loads(f) for f in p.frames_to_send()]
+    assert finish(p, 2) == []
+
+
+def heartbeat_slots(p: AgentProtocol) -> dict:
+    p.heartbeat()
+    [frame] = [json.loads(f) for f in p.frames_to_send() if json.loads(f)["type"] == "heartbeat"]
+    return frame["slots"]
+
+
+def test_gaps_count_only_while_the_next_job_waited_and_busy_time_is_the_handlers():
+    clock = Clock()
+    p = slots_6(clock, capacity=1)
+    p.take(p.receive(jobs_frame_6((1, 0), (2, 0))).jobs)  # job 2 waits ready behind job 1
+    first = p.running[1]
+    p.job_started(first)
+    clock.now += 0.020
+    p.job_done(first, None)
+    [nxt] = p.next_jobs(first)
+    clock.now += 0.0005  # the next start, half a millisecond after
+    p.job_started(nxt)
+    clock.now += 0.020
+    p.job_done(nxt, None)
+    assert p.next_jobs(nxt) == []
+    clock.now += 5.0  # the queue is empty: an idle slot, not a gap
+    p.take(p.receive(jobs_frame_6((3, 0))).jobs)  # just enqueued: waited 0 ms
+    clock.now += 0.002  # the push to the start
+    p.job_started(p.running[3])
+    s = heartbeat_slots(p)
+    assert s["busy_ms"] == pytest.approx(40.0)
+    assert s["idle_ms"] == pytest.approx(2.5)  # 0.5 ms between 1 and 2, 2 ms for job 3; not the 5 s
+    assert sum(s["gaps"]) == 3
+    p.heartbeat()  # job 3 still runs: its lease is extended; nothing counted since the last report
+    assert [json.loads(f) for f in p.frames_to_send()] == [{"type": "heartbeat", "ids": [3]}]
+
+
+def test_a_job_that_waited_before_a_slot_freed_counts_from_the_slot_freeing():
+    clock = Clock()
+    p = slots_6(clock, capacity=1, prefetch=0)
+    p.take(p.receive(jobs_frame_6((1, 0))).jobs)
+    p.job_started(p.running[1])
+    clock.now += 1.0
+    job = p.running[1]
+    p.job_done(job, None)
+    assert p.next_jobs(job) == []
+    clock.now += 0.004  # the outcome's round trip and the next lease: a job that waited 10 s
+    p.take(p.receive(jobs_frame_6((2, 10_000))).jobs)
+    p.job_started(p.running[2])
+    assert heartbeat_slots(p)["idle_ms"] == pytest.approx(4.0)
+
+
+def test_an_older_server_gets_no_slot_report():
+    p = slots()  # protocol 5
+    pushed(p, 1)
+    p.job_started(p.running[1])
+    p.frames_to_send()
+    p.heartbeat()
+    assert all("slots" not in json.loads(f) for f in p.frames_to_send())
+
+
+def slots_6(clock: Clock, capacity: int = 1, prefetch: int = 1) -> AgentProtocol:
+    p = AgentProtocol(Hello("a", ("embed",), capacity, prefetch=prefetch), clock=clock)
+    p.connection_made()
+    p.frames_to_send()
+    p.receive(WELCOME_6)
+    return p
+
+
+def jobs_frame_6(*jobs: tuple[int, int]) -> str:
+    return json.dumps({"type": "jobs", "jobs": [
+        {"id": i, "lease_token": TOKEN, "kind": "embed", "payload": None, "attempt": 1, "queued_ms": q}
+        for i, q in jobs]})

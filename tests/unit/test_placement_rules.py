@@ -20,9 +20,14 @@ class Box:
     devices: tuple[Device, ...] = ()
     free: int = 1
     used: set[int] = field(default_factory=set)
+    queued: set[int] = field(default_factory=set)  # busy devices that hold a job ready already
 
     def free_devices(self, min_memory_mb: int) -> list[int]:
         return [d.index for d in self.devices if d.index not in self.used and d.memory_mb >= min_memory_mb]
+
+    def ready_devices(self, min_memory_mb: int) -> list[int]:
+        return [d.index for d in self.devices
+                if d.index in self.used and d.index not in self.queued and d.memory_mb >= min_memory_mb]
 
 
 def gpus(n: int, memory_mb: int = 81920) -> tuple[Device, ...]:
@@ -86,3 +91,17 @@ def test_the_reason_names_the_first_requirement_nobody_meets():
     assert "gpu=h100" in placement.why_unplaceable(shape(1, labels=("gpu=h100",)), [box])
     assert "2 GPUs of at least 40000 MiB" in placement.why_unplaceable(shape(2, 40000), [box])
     assert placement.why_unplaceable(shape(1), []) == "no connected agent takes kind train"
+
+
+def test_ready_room_is_one_job_per_busy_device_and_follows_the_same_rules():
+    box = Box("b", devices=gpus(4), free=3, used={0, 1, 2}, queued={2})
+    assert placement.room(shape(1), box, ready=True) == 2  # devices 0 and 1; 2 holds one ready already
+    assert placement.room(shape(2), box, ready=True) == 1
+    assert placement.room(shape(0), box, ready=True) == 0  # jobs without GPUs are ready in ``free``
+    assert placement.room(shape(1, 100000), box, ready=True) == 0  # too little memory stays too little
+    assert placement.room(shape(1), Box("d", devices=gpus(2), used={0}, draining=True), ready=True) == 0
+    reserved = {"b": ("train", "other")}
+    assert placement.room(shape(1), box, reserved, ready=True) == 0  # its devices wait for that shape
+    warm = Box("w", devices=gpus(1), used={0}, models=frozenset({"m"}))
+    assert placement.slots(shape(1, model="m"), [box, warm], 10, ready=True)[0] == "w"
+    assert placement.slots(shape(1, model="m"), [box, warm], 10, ready=True, warm_only=True) == ["w"]

@@ -13,8 +13,10 @@ from gpuq.protocol.server_side import (
     JobsReleased,
     OutcomesReceived,
     ServerProtocol,
+    SlotsReported,
     State,
 )
+from gpuq.protocol.slots import SlotReport
 
 TOKEN = "00000000-0000-0000-0000-000000000000"
 HELLO = json.dumps({"type": "hello", "agent": "a", "kinds": ["embed"], "capacity": 2, "protocol": 1})
@@ -199,7 +201,7 @@ def test_a_version_1_agent_gets_no_cancel_message_and_keeps_working():
     assert p.cancel([7]) == [] and sent(p) == []
 
 
-@pytest.mark.parametrize("version", [0, 6, True, "2"])
+@pytest.mark.parametrize("version", [0, 7, True, "2"])
 def test_an_unknown_protocol_version_is_refused_with_4003(version):
     p = ServerProtocol(max_payload=4096, max_messages_per_second=1000, now=0.0)
     p.receive(HELLO.replace('"protocol": 1', f'"protocol": {json.dumps(version)}'), 0.0)
@@ -316,3 +318,53 @@ def test_a_version_4_hello_has_no_prefetch():
                                         "protocol": 4, "devices": [], "labels": [], "models": [],
                                         "prefetch": 1}), 0.0)
     assert isinstance(refused, FrameRefused)
+
+
+# -- jobs ready on busy devices, slot reports (protocol 6) ----------------------
+
+class GpuJob(Leased):
+    def __init__(self, id, gpus=1, gpu_memory_mb=None, queued_ms=None):
+        super().__init__(id)
+        self.gpus, self.gpu_memory_mb, self.queued_ms = gpus, gpu_memory_mb, queued_ms
+
+
+def opened_gpus(version: int = 6, prefetch: int = 1, devices: int = 2) -> ServerProtocol:
+    p = ServerProtocol(max_payload=1 << 16, max_messages_per_second=1000, now=0.0)
+    p.receive(json.dumps({"type": "hello", "agent": "a", "kinds": ["embed"], "capacity": 1, "protocol": version,
+                          "devices": [{"index": i, "name": "gpu", "memory_mb": 1024} for i in range(devices)],
+                          "labels": [], "models": [], "prefetch": prefetch}), 0.0)
+    p.accept(Welcome("a#1", 30, 5, 1 << 16))
+    p.frames_to_send()
+    return p
+
+
+def test_a_busy_device_takes_one_job_ready_only_for_a_version_6_agent_with_prefetch():
+    p = opened_gpus()
+    assert p.send_jobs([GpuJob(1), GpuJob(2)]) == []
+    assert p.free_devices() == [] and p.ready_devices() == [0, 1]
+    assert p.send_jobs([GpuJob(3, queued_ms=1500)]) == []
+    assert p.devices_in_use[3] == (0,) and p.ready_devices() == [1]
+    assert [j.id for j in p.send_jobs([GpuJob(4, gpus=2)])] == [4]  # refused: device 0 holds one ready
+    assert p.ready_devices(2048) == []  # too little memory
+    jobs = [j for f in sent(p) for j in f["jobs"]]
+    assert [(j["id"], j["devices"]) for j in jobs] == [(1, [0]), (2, [1]), (3, [0])]
+    assert jobs[2]["queued_ms"] == 1500
+    for older in (opened_gpus(version=5), opened_gpus(prefetch=0)):
+        older.send_jobs([GpuJob(1), GpuJob(2)])
+        assert older.ready_devices() == []
+        assert [j.id for j in older.send_jobs([GpuJob(3, queued_ms=5)])] == [3]  # no free device: refused
+        assert all("queued_ms" not in j for f in sent(older) for j in f["jobs"])
+
+
+def test_a_slot_report_is_summed_over_the_window_and_needs_version_6():
+    p = opened_gpus()
+    beat = {"type": "heartbeat", "ids": [], "slots": {"busy_ms": 900.0, "idle_ms": 100.0, "gaps": [1] + [0] * 12}}
+    [event] = p.receive(json.dumps(beat), 10.0)
+    assert event == SlotsReported(SlotReport(900.0, 100.0, (1,) + (0,) * 12))
+    assert p.busy.totals(10.0) == (900.0, 100.0)
+    assert p.busy.totals(71.0) == (0.0, 0.0)  # a minute later it has left the window
+    [refused] = opened_gpus(version=5).receive(json.dumps(beat), 0.0)
+    assert isinstance(refused, FrameRefused) and refused.code == ErrorCode.UNEXPECTED
+    beat["slots"]["gaps"] = [1]
+    [bad] = p.receive(json.dumps(beat), 11.0)
+    assert isinstance(bad, FrameRefused) and bad.code == ErrorCode.BAD_MESSAGE

@@ -24,9 +24,10 @@ I/O layer (``gpuq.agent``) feeds frames to ``receive()`` and sends what
   and the next ``hello`` carries them, so a reconnect never loses them;
 - slots (version 5, ``hello.prefetch``): at most ``capacity`` jobs without
   devices run at once; ``take()`` says which pushed jobs start now, the rest
-  wait *ready* (prefetched) and ``next_job()`` hands the next one to a slot
-  the moment its job ends. Jobs with devices start at once (the server gave
-  them free devices). Every start is told to the server (``started`` ids, in
+  wait *ready* (prefetched) and ``next_jobs()`` hands the next one to a slot
+  the moment its job ends. A job with devices starts when they are free
+  (version 6: the server may push one for busy devices, to start behind the
+  job running there), first in, first out on each device. Every start is told to the server (``started`` ids, in
   the next ``results`` frame when there is one). A ready job that is
   cancelled ends at once as cancelled; on ``drain()`` the ready jobs are given
   back (``release``); a lost connection drops them (the server took them back).
@@ -36,12 +37,13 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any
 
-from gpuq.protocol.codes import ErrorCode, ProtocolError
+from gpuq.protocol.codes import SLOTS_SINCE, ErrorCode, ProtocolError
 from gpuq.protocol.describe import DeviceUsage
 from gpuq.protocol.messages import (
     RESULTS_OVERHEAD,
@@ -66,6 +68,7 @@ from gpuq.protocol.messages import (
     parse_client,
     parse_server,
 )
+from gpuq.protocol.slots import SlotClock
 
 
 class State(Enum):
@@ -75,9 +78,11 @@ class State(Enum):
 
 
 class AgentProtocol:
-    def __init__(self, hello: Hello):
+    def __init__(self, hello: Hello, clock: Callable[[], float] = time.monotonic):
         parse_client(encode(hello), 1 << 20)  # the server's rules, checked before connecting
         self.hello = hello
+        self.clock = clock
+        self.slots: SlotClock | None = None  # this connection's count (version 6)
         self.state = State.DISCONNECTED
         self.running: dict[int, JobMessage] = {}
         self.unacked: dict[int, str] = {}  # job id -> encoded outcome, until the server acks
@@ -91,7 +96,9 @@ class AgentProtocol:
         self._progress_asked = False  # progress() has asked for a send_progress() not yet done
         self._progress_lock = threading.Lock()
         self.ready: deque[JobMessage] = deque()  # pushed jobs without devices waiting for a slot
+        self.ready_gpu: list[JobMessage] = []  # pushed jobs waiting for their devices, in push order
         self._slots_busy = 0  # jobs without devices running now (at most capacity)
+        self._devices_busy: set[int] = set()  # devices a running job holds
         self._started: list[int] = []  # started since the last frames_to_send (told in the next)
         self._speaks_started = False  # this connection's version has ``started`` (5)
 
@@ -110,10 +117,12 @@ class AgentProtocol:
         """The server took back every job it had not seen reported; the ready ones are not ours now
         (the running ones' handlers are stopped by the I/O layer)."""
         self.state = State.DISCONNECTED
-        for job in self.ready:
+        for job in self.waiting:
             self.running.pop(job.id, None)
         self.ready.clear()
+        self.ready_gpu = []
         self._slots_busy = 0
+        self._devices_busy = set()
         self._started = []
 
     def receive(self, frame: str | bytes) -> ServerMessage:
@@ -126,6 +135,9 @@ class AgentProtocol:
                 raise ProtocolError(ErrorCode.UNEXPECTED, f"expected welcome, got {msg}")
             self.state, self.max_frame = State.OPEN, msg.max_payload
             self._speaks_started = msg.protocol >= 5
+            self.slots = None
+            if msg.protocol >= SLOTS_SINCE:
+                self.slots = SlotClock(self.hello.capacity, (d.index for d in self.hello.devices), self.clock())
             self._outcomes = list(self.unacked.values())  # what the last connection did not see acked
             if self.draining:
                 self._control.append(encode(Drain()))
@@ -135,6 +147,10 @@ class AgentProtocol:
         if isinstance(msg, Jobs):
             for job in msg.jobs:
                 self.running[job.id] = job
+            if self.slots is not None:
+                now = self.clock()
+                for job in msg.jobs:
+                    self.slots.pushed(job.id, job.queued_ms, now)
         elif isinstance(msg, Ack):
             for i in (*msg.accepted, *msg.rejected):
                 self.unacked.pop(i, None)
@@ -143,27 +159,40 @@ class AgentProtocol:
             running = [self.running[i] for i in msg.ids if i in self.running]
             for job in running:
                 mark_cancelled(job)
-            waiting = {job.id for job in running if job in self.ready}
+            waiting = {job.id for job in running if job in self.waiting}
             if waiting:  # never started: it ends here, before it starts
                 self.ready = deque(job for job in self.ready if job.id not in waiting)
+                self.ready_gpu = [job for job in self.ready_gpu if job.id not in waiting]
                 for job in running:
                     if job.id in waiting:
+                        self._forget(job)
                         self.job_failed(job, "cancelled", retryable=False)
             return Cancel(tuple(job.id for job in running if job.id not in waiting))
         return msg
 
     # -- slots ---------------------------------------------------------------
 
+    @property
+    def waiting(self) -> list[JobMessage]:
+        """The pushed jobs not started yet (prefetched)."""
+        return [*self.ready, *self.ready_gpu]
+
     def take(self, jobs: Iterable[JobMessage]) -> list[JobMessage]:
-        """Pushed jobs to start now; the others wait ready for ``next_job()`` (or, pushed while the
+        """Pushed jobs to start now; the others wait ready for ``next_jobs()`` (or, pushed while the
         agent drains, go back at once)."""
         now = []
         for job in jobs:
-            if job.devices or self._slots_busy < self.hello.capacity:
-                self._slots_busy += not job.devices
+            if job.devices:
+                self.ready_gpu.append(job)
+            elif self._slots_busy < self.hello.capacity:
+                self._slots_busy += 1
                 now.append(job)
+                if self.slots is not None:
+                    self.slots.assigned(job.id, (), self.clock())
             else:
                 self.ready.append(job)
+        if self.ready_gpu:
+            now.extend(self._devices_freed())
         if self.draining:
             self._release_ready()
         return now
@@ -172,16 +201,52 @@ class AgentProtocol:
         """Its handler starts now: the server is told (with the next frame)."""
         if self._speaks_started:
             self._started.append(job.id)
+        if self.slots is not None:
+            self.slots.started(job.id, self.clock())
 
-    def next_job(self, ended: JobMessage) -> JobMessage | None:
-        """``ended``'s handler returned (its outcome is queued): the job to start in its slot now,
-        or None (the slot is free, or it had devices)."""
+    def next_jobs(self, ended: JobMessage) -> list[JobMessage]:
+        """``ended``'s handler returned (its outcome is queued): the jobs to start now, the first in
+        its slot. A job without devices frees a slot for the next ready one; a job with devices
+        frees them for the ready jobs that wait on them (several, when it had several)."""
+        clock = self.slots
+        if clock is not None:
+            clock.ended(ended.id, ended.devices, now := self.clock())
         if ended.devices:
-            return None
+            self._devices_busy.difference_update(ended.devices)
+            return self._devices_freed() if self.ready_gpu else []
         if self.ready and not self.draining and self.state is State.OPEN:
-            return self.ready.popleft()
+            job = self.ready.popleft()
+            if clock is not None:
+                clock.assigned(job.id, (), now, freed=now)
+            return [job]
         self._slots_busy = max(0, self._slots_busy - 1)
-        return None
+        if clock is not None:
+            clock.slot_freed(now)
+        return []
+
+    def _devices_freed(self) -> list[JobMessage]:
+        """Ready jobs with devices that may start now, in push order: each device runs its jobs first
+        in, first out, so a multi-GPU job is never overtaken on the devices it waits for."""
+        if self.draining or self.state is not State.OPEN:
+            return []
+        now, blocked = [], set(self._devices_busy)
+        for job in self.ready_gpu:
+            if blocked.isdisjoint(job.devices):
+                self._devices_busy.update(job.devices)
+                now.append(job)
+            blocked.update(job.devices)
+        if now:
+            started = {job.id for job in now}
+            self.ready_gpu = [job for job in self.ready_gpu if job.id not in started]
+            if self.slots is not None:
+                at = self.clock()
+                for job in now:
+                    self.slots.assigned(job.id, job.devices, at)
+        return now
+
+    def _forget(self, job: JobMessage) -> None:
+        if self.slots is not None:
+            self.slots.forget(job.id)
 
     # -- outcomes ------------------------------------------------------------
 
@@ -235,10 +300,14 @@ class AgentProtocol:
     # -- control -------------------------------------------------------------
 
     def heartbeat(self, usage: tuple[DeviceUsage, ...] | None = None) -> None:
-        """Extend the leases of the running jobs, and report device ``usage`` when known (nothing to
-        send when no job runs and there is no usage)."""
-        if self.running or usage is not None:
-            self._control.append(encode(Heartbeat(tuple(self.running), usage)))
+        """Extend the leases of the running jobs, report device ``usage`` when known and (version 6)
+        the slots' busy time and gaps since the last heartbeat (nothing to send when no job runs
+        and there is nothing to report)."""
+        report = self.slots.report() if self.slots is not None and self.state is State.OPEN else None
+        if report is not None and report.empty:
+            report = None
+        if self.running or usage is not None or report is not None:
+            self._control.append(encode(Heartbeat(tuple(self.running), usage, report)))
 
     def update(self, labels: Iterable[str] | None = None, models: Iterable[str] | None = None) -> None:
         """New labels and/or warm models (None: unchanged): told to the server now if connected,
@@ -261,11 +330,13 @@ class AgentProtocol:
 
     def _release_ready(self) -> None:
         """Give the ready jobs back: they will not start here."""
-        if self.ready and self.state is State.OPEN and self._speaks_started:
-            self._control.append(encode(Release(tuple(job.id for job in self.ready))))
-            for job in self.ready:
+        if (waiting := self.waiting) and self.state is State.OPEN and self._speaks_started:
+            self._control.append(encode(Release(tuple(job.id for job in waiting))))
+            for job in waiting:
                 self.running.pop(job.id, None)
+                self._forget(job)
             self.ready.clear()
+            self.ready_gpu = []
 
     def frames_to_send(self) -> list[str]:
         if self.state is not State.OPEN:

@@ -47,6 +47,7 @@ from gpuq.protocol.describe import (
     usage_from,
     usage_json,
 )
+from gpuq.protocol.slots import SlotReport, slots_from, slots_json
 
 __all__ = ["AGENT_NAME", "RESULTS_OVERHEAD", "Ack", "Cancel", "ClientMessage", "Done", "Drain", "Error", "Failed", "Heartbeat",
            "Hello", "JobMessage", "Jobs", "Progress", "ProgressUpdate", "Release", "Results", "ServerDrain", "ServerMessage",
@@ -118,6 +119,7 @@ class Release:
 class Heartbeat:
     ids: tuple[int, ...]
     devices: tuple[DeviceUsage, ...] | None = None  # protocol 4, when the agent can read them (NVML)
+    slots: SlotReport | None = None  # protocol 6: busy time and gaps since the last report
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,8 +171,8 @@ def parse_client(frame: str | bytes, max_size: int) -> ClientMessage:
                             f"{', '.join(sorted(_CLIENT_FIELDS))}", fatal=kind == "hello")
     if kind == "hello" and (version := _hello_version(obj)) >= PLACEMENT_SINCE:
         fields = _HELLO_5_FIELDS if version >= PREFETCH_SINCE else _HELLO_4_FIELDS
-    elif kind == "heartbeat" and "devices" in obj:
-        fields = _HEARTBEAT_4_FIELDS
+    elif kind == "heartbeat":
+        fields = fields | ({"devices"} & obj.keys()) | ({"slots"} & obj.keys())
     elif kind == "results" and "started" in obj:
         fields = _RESULTS_5_FIELDS
     _exact_fields(obj, fields, fatal=kind == "hello")
@@ -192,7 +194,8 @@ def parse_client(frame: str | bytes, max_size: int) -> ClientMessage:
         ids = obj["ids"]
         if not isinstance(ids, list) or len(ids) > MAX_HEARTBEAT_IDS:
             raise ProtocolError(BAD_MESSAGE, f"heartbeat.ids must be a list of at most {MAX_HEARTBEAT_IDS} job ids")
-        return Heartbeat(tuple(_job_id(i) for i in ids), usage_from(obj["devices"]) if "devices" in obj else None)
+        return Heartbeat(tuple(_job_id(i) for i in ids), usage_from(obj["devices"]) if "devices" in obj else None,
+                         slots_from(obj["slots"]) if "slots" in obj else None)
     if kind == "update":
         return Update(None if obj["labels"] is None else check_labels(obj["labels"], "update.labels"),
                       None if obj["models"] is None else check_models(obj["models"], "update.models"))
@@ -222,7 +225,6 @@ _CLIENT_FIELDS = {
 _HELLO_4_FIELDS = _CLIENT_FIELDS["hello"] | {"devices", "labels", "models"}
 _HELLO_5_FIELDS = _HELLO_4_FIELDS | {"prefetch"}
 _RESULTS_5_FIELDS = _CLIENT_FIELDS["results"] | {"started"}
-_HEARTBEAT_4_FIELDS = _CLIENT_FIELDS["heartbeat"] | {"devices"}
 _PROGRESS_FIELDS = {"id", "lease_token", "fraction", "message", "data"}
 
 
@@ -354,7 +356,7 @@ def jobs_frame(messages: list[str]) -> str:
 
 
 def job_message(job_id: int, lease_token: str, kind: str, payload_json: str, attempt: int,
-                timeout: int | None = None, devices: tuple[int, ...] = ()) -> str:
+                timeout: int | None = None, devices: tuple[int, ...] = (), queued_ms: int | None = None) -> str:
     """One pushed job, as JSON, around a payload that is JSON text already (from PostgreSQL).
 
     Spliced, not encoded: the lease token is PostgreSQL's uuid text and the
@@ -365,6 +367,8 @@ def job_message(job_id: int, lease_token: str, kind: str, payload_json: str, att
     limit = "" if timeout is None else f',"timeout":{timeout:d}'
     if devices:
         limit += ',"devices":[' + ",".join(map(str, devices)) + "]"
+    if queued_ms is not None:
+        limit += f',"queued_ms":{max(0, queued_ms):d}'
     return (f'{{"id":{job_id:d},"lease_token":"{lease_token}","kind":"{kind}","payload":{payload_json},'
             f'"attempt":{attempt:d}{limit}}}')
 
@@ -436,6 +440,7 @@ class JobMessage:
     attempt: int
     timeout: float | None = None  # seconds this attempt may run (protocol 2); the agent stops it then
     devices: tuple[int, ...] = ()  # the device indices this job was given (protocol 4; GPU jobs only)
+    queued_ms: int | None = None  # how long it had been due when leased (protocol 6)
     cancelled: bool = field(default=False, compare=False)
     # Where progress() sends an encoded update (the agent sets it); None: nowhere.
     reporter: Callable[[int, str], None] | None = field(default=None, compare=False, repr=False)
@@ -515,7 +520,8 @@ def encode(msg: ServerMessage | ClientMessage) -> str:
         body = {"type": "jobs", "jobs": [
             {"id": j.id, "lease_token": j.lease_token, "kind": j.kind, "payload": j.payload,
              "attempt": j.attempt, **({} if j.timeout is None else {"timeout": int(j.timeout)}),
-             **({"devices": list(j.devices)} if j.devices else {})}
+             **({"devices": list(j.devices)} if j.devices else {}),
+             **({} if j.queued_ms is None else {"queued_ms": j.queued_ms})}
             for j in msg.jobs]}
     elif isinstance(msg, Welcome):
         body = {"type": "welcome", "agent_id": msg.agent_id, "protocol": msg.protocol,
@@ -539,6 +545,8 @@ def encode(msg: ServerMessage | ClientMessage) -> str:
         body = {"type": "heartbeat", "ids": list(msg.ids)}
         if msg.devices is not None:
             body["devices"] = [usage_json(u) for u in msg.devices]
+        if msg.slots is not None:
+            body["slots"] = slots_json(msg.slots)
     elif isinstance(msg, Update):
         body = {"type": "update", "labels": None if msg.labels is None else list(msg.labels),
                 "models": None if msg.models is None else list(msg.models)}
@@ -574,7 +582,7 @@ def parse_server(frame: str | bytes) -> ServerMessage:
         if kind == "jobs":
             return Jobs(tuple(JobMessage(_job_id(j["id"]), _token(j["lease_token"]), str(j["kind"]),
                                          j["payload"], int(j["attempt"]), _timeout(j.get("timeout")),
-                                         _devices(j.get("devices")))
+                                         _devices(j.get("devices")), _queued(j.get("queued_ms")))
                               for j in obj["jobs"]))
         if kind == "ack":
             return Ack(tuple(_job_id(i) for i in obj["accepted"]), tuple(_job_id(i) for i in obj["rejected"]))
@@ -635,6 +643,12 @@ def _timeout(value: Any) -> float | None:
     if not _is_int(value) or value < 1:
         raise ValueError(f"job timeout must be a positive integer, not {str(value)[:40]!r}")
     return float(value)
+
+
+def _queued(value: Any) -> int | None:
+    if value is not None and (type(value) is not int or value < 0):
+        raise ValueError(f"job queued_ms must be a whole number of ms, not {str(value)[:40]!r}")
+    return value
 
 
 def _devices(value: Any) -> tuple[int, ...]:

@@ -30,10 +30,16 @@ connection lives here:
   which jobs it ``started``; a held job never said started is *unstarted*:
   it goes back without counting its attempt when the agent leaves, or at once
   when the agent gives it back (``release``).
+- version 6: each pushed job says how long it was due (``queued_ms``);
+  heartbeats may report the slots' busy time and gaps (``slots``, summed over
+  the last minute in ``busy``); an agent with ``prefetch`` may be given one
+  job per device beyond the one running there (``ready_devices``), which
+  starts when the device frees.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -44,6 +50,7 @@ from gpuq.protocol.codes import (
     PLACEMENT_SINCE,
     PREFETCH_SINCE,
     PROGRESS_SINCE,
+    SLOTS_SINCE,
     CloseCode,
     ErrorCode,
     ProtocolError,
@@ -72,6 +79,7 @@ from gpuq.protocol.messages import (
     jobs_frame,
     parse_client,
 )
+from gpuq.protocol.slots import BusyWindow, SlotReport
 
 HELLO_TIMEOUT_SECONDS = 10.0
 MAX_ERRORS_PER_CONNECTION = 100  # then the connection is closed with 4000
@@ -129,6 +137,13 @@ class JobsReleased:
 
 
 @dataclass(frozen=True, slots=True)
+class SlotsReported:
+    """Version 6: the agent's busy time and gaps since its last report (for the gap histogram)."""
+
+    report: SlotReport
+
+
+@dataclass(frozen=True, slots=True)
 class FrameRefused:
     """A frame got an ``error`` (or closed the connection): for metrics and logs."""
 
@@ -137,7 +152,7 @@ class FrameRefused:
 
 
 Event = (HelloReceived | OutcomesReceived | HeartbeatReceived | DrainRequested | ProgressReceived | AgentUpdated
-         | JobsReleased | FrameRefused)
+         | JobsReleased | SlotsReported | FrameRefused)
 
 
 class PushedJob(Protocol):
@@ -182,6 +197,8 @@ class ServerProtocol:
         self.usage: dict[int, DeviceUsage] = {}  # device index -> its last reported usage
         self.devices_in_use: dict[int, tuple[int, ...]] = {}  # job id -> the devices it was pushed with
         self.started: set[int] = set()  # version 5: held jobs the agent said it started
+        self.busy = BusyWindow()  # version 6: the agent's slot reports of the last minute
+        self._now = now
         self._bucket = TokenBucket(max_messages_per_second, RATE_BURST_SECONDS, now)
         self._out: list[str] = []
         self._close: tuple[CloseCode, str] | None = None
@@ -222,12 +239,22 @@ class ServerProtocol:
         used = {i for given in self.devices_in_use.values() for i in given}
         return [d.index for d in self.hello.devices if d.index not in used and d.memory_mb >= min_memory_mb]
 
+    def ready_devices(self, min_memory_mb: int = 0) -> list[int]:
+        """Version 6, ``prefetch`` on: indices of the devices that run one held job and have none
+        waiting, with at least ``min_memory_mb``: each may take one job to start when it frees."""
+        if self.hello is None or self.draining or self.state is not State.OPEN or not self.prefetch \
+                or self.version < SLOTS_SINCE:
+            return []
+        given = Counter(i for devices in self.devices_in_use.values() for i in devices)
+        return [d.index for d in self.hello.devices if given[d.index] == 1 and d.memory_mb >= min_memory_mb]
+
     # -- input ---------------------------------------------------------------
 
     def receive(self, frame: str | bytes, now: float) -> list[Event]:
         """Take one frame from the agent; return what the dispatcher must act on."""
         if self.state is State.CLOSED:
             return []
+        self._now = now
         if self.state is State.OPEN and not self._bucket.take(now):
             self._close_with(CloseCode.RATE_LIMITED, "too many messages")
             return []
@@ -269,7 +296,12 @@ class ServerProtocol:
         if isinstance(msg, Heartbeat):
             if msg.devices is not None:
                 self._usage(msg.devices)
-            return self._heartbeat(msg.ids)
+            events = self._heartbeat(msg.ids)
+            if msg.slots is not None:
+                self._needs(SLOTS_SINCE, "slots in a heartbeat")
+                self.busy.add(msg.slots, self._now)
+                events.append(SlotsReported(msg.slots))
+            return events
         if isinstance(msg, Update):
             self._placement_message("update")
             self.labels = self.labels if msg.labels is None else msg.labels
@@ -365,17 +397,21 @@ class ServerProtocol:
         with ``gpus`` is given that many free devices of at least its ``gpu_memory_mb``; the jobs
         returned did not find them (the caller gives them back) and were not pushed."""
         held, pushed, refused = self.held, [], []
+        queued = self.version >= SLOTS_SINCE
         for j in jobs:
             devices: tuple[int, ...] = ()
             if gpus := getattr(j, "gpus", 0):
                 free = self.free_devices(j.gpu_memory_mb or 0)
+                if len(free) < gpus:
+                    free = self.ready_devices(j.gpu_memory_mb or 0)  # to start when they free
                 if len(free) < gpus:
                     refused.append(j)
                     continue
                 devices = self.devices_in_use[j.id] = tuple(free[:gpus])
             held[j.id] = (j.lease_token, j.kind)
             pushed.append(job_message(j.id, j.lease_token, j.kind, j.payload_json, j.attempt,
-                                      getattr(j, "timeout_seconds", None), devices))
+                                      getattr(j, "timeout_seconds", None), devices,
+                                      getattr(j, "queued_ms", None) if queued else None))
         if pushed:
             self._out.append(jobs_frame(pushed))
         return refused

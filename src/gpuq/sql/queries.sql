@@ -118,7 +118,8 @@ FROM assigned a
 WHERE j.ctid = a.ctid
 RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token,
           j.priority, j.leased_by, j.payload::text AS payload_json, j.status, a.phase, a.slot,
-          coalesce(j.timeout_seconds, a.default_timeout) AS timeout_seconds;
+          coalesce(j.timeout_seconds, a.default_timeout) AS timeout_seconds,
+          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms;  -- how long it was due
 
 -- name: lease_placed
 -- Lease up to cardinality($3) pending jobs of kind $1 (not paused, no limit) and placement shape $2, by priority and id, none under a limited key; the i-th goes to slot $3[i].
@@ -148,7 +149,8 @@ JOIN unnest($3::text[]) WITH ORDINALITY AS s(agent, slot) ON s.slot = p.rn
 WHERE j.ctid = p.ctid
 RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token, j.priority, j.leased_by,
           j.payload::text AS payload_json, s.slot,
-          coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds;
+          coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds,
+          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms;
 
 -- name: limits_lock
 -- Taken before lease_limited, in its transaction: limited leases run one at a time across dispatchers, each counting the last one's.
@@ -199,7 +201,8 @@ JOIN unnest($3::text[]) WITH ORDINALITY AS s(agent, slot) ON s.slot = p.rn
 WHERE j.ctid = p.ctid
 RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token, j.priority, j.leased_by,
           j.payload::text AS payload_json, s.slot,
-          coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds;
+          coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds,
+          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms;
 
 -- name: limit_set
 -- At most $3 jobs leased at once under scope $1 ('kind' or 'key') and name $2 (NULL: no limit); wakes the dispatchers.
