@@ -172,7 +172,7 @@ SETTINGS: tuple[Setting, ...] = (
             {AGENT: "--kinds"}, shown="required"),
     Setting("capacity", "GPUQ_CAPACITY", 1, parse_int, "jobs run at once", {AGENT: "--capacity"}),
     Setting("prefetch", "GPUQ_PREFETCH", 1, parse_int,
-            "jobs without GPUs held ready beyond capacity, so a freed slot starts the next at once (0: none)",
+            "jobs held ready beyond capacity (and one per busy GPU), so a freed slot starts the next at once (0: none)",
             {AGENT: "--prefetch"}),
     Setting("handler", "GPUQ_HANDLER", "gpuq.demo:handle", parse_text, "module:function called per job",
             {AGENT: "--handler"}),

@@ -3,6 +3,7 @@
 - ``codes``: version, limits, ``CloseCode``, ``ErrorCode``, ``ProtocolError``;
 - ``describe``: what an agent says about itself (devices, labels, models, usage);
 - ``messages``: the message types, strict parsing and encoding;
+- ``slots``: how busy an agent's slots keep (its count, its reports, the server's window);
 - ``server_side``: ``ServerProtocol``, one agent connection as the server sees it;
 - ``agent_side``: ``AgentProtocol``, the agent's side across reconnects.
 
