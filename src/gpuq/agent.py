@@ -33,11 +33,13 @@ and sent again after a reconnect; fencing makes a resent result harmless.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import os
 import socket
 import ssl
 import subprocess
+import threading
 import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -115,6 +117,7 @@ class Agent:
         self._stop_event = asyncio.Event()
         self._tasks: dict[int, asyncio.Task[None]] = {}  # job id -> its async handler's task
         self._session_tasks: anyio.abc.TaskGroup | None = None  # the connection's: jobs run in it
+        self._session_over = threading.Event()  # set as the session ends: sync slots stop taking jobs
         self._progress_due = asyncio.Event()  # a handler reported progress since the last send
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -182,6 +185,8 @@ class Agent:
             try:
                 async with anyio.create_task_group() as tg:
                     self._session_tasks = tg
+                    self._session_over = threading.Event()
+                    tg.start_soon(_set_when_cancelled, self._session_over)
                     tg.start_soon(self._sender, ws)
                     tg.start_soon(self._heartbeats, welcome.heartbeat_seconds)
                     tg.start_soon(self._progress_sender)
@@ -228,27 +233,87 @@ class Agent:
         await asyncio.gather(*(self._run_slot(job, is_async) for job in jobs))
 
     async def _run_slot(self, job: Job | None, is_async: bool) -> None:
-        """Run ``job``, then at once each ready job the protocol gives this slot, in this one task:
-        a ``cancel`` cancels the task while that job's handler runs (``_run_job`` takes it back).
-        A job with several devices may free them for several ready jobs: the others start in
-        the session's task group."""
+        """Run ``job``, then at once each ready job the protocol gives this slot: an async handler's
+        in this one task (a ``cancel`` cancels the task while that job's handler runs, and
+        ``_run_job`` takes it back); a sync handler's in one worker thread (``_sync_slot``). A job
+        with several devices may free them for several ready jobs: the others start in the
+        session's task group."""
+        if not is_async:
+            if job is not None:
+                await anyio.to_thread.run_sync(self._sync_slot, job)
+            self._ready.set()
+            return
         task = asyncio.current_task()
         while job is not None:
             self.protocol.job_started(job)
-            if is_async and task is not None:
+            if task is not None:
                 self._tasks[job.id] = task
             # The sender runs at the handler's first await: the outcome of the job before and this
             # start go out in one frame while the handler already runs.
             self._ready.set()
             try:
-                await self._run_job(job, is_async)
+                await self._run_job(job)
             finally:
                 self._tasks.pop(job.id, None)
-            job, *others = self.protocol.next_jobs(job) or [None]
-            if others:
-                assert self._session_tasks is not None  # jobs come only within a session
-                self._session_tasks.start_soon(self._run_slots, others, is_async)
+            job = self._next_in_slot(job, None, True)
         self._ready.set()  # the last outcome
+
+    def _next_in_slot(self, ended: Job, ran: tuple[float, float] | None, is_async: bool) -> Job | None:
+        jobs = self.protocol.next_jobs(ended, ran)
+        if len(jobs) > 1:
+            assert self._session_tasks is not None  # jobs come only within a session
+            if is_async:
+                self._session_tasks.start_soon(self._run_slots, jobs[1:], True)
+            else:
+                self._event_loop().call_soon_threadsafe(self._session_tasks.start_soon, self._run_slots, jobs[1:],
+                                                        False)
+        return jobs[0] if jobs else None
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        assert self._loop is not None  # set before any job runs
+        return self._loop
+
+    def _sync_slot(self, job: Job) -> None:
+        """A sync handler's slot, all in one worker thread: each job runs, is reported, and the next
+        ready one starts here at once. The event loop is only woken to send (the outcome and the
+        next start in one frame), never in the way between two jobs: a hop through it cost each
+        job two thread wake-ups. Ends when the session does, after the running handler returns."""
+        wake = functools.partial(self._event_loop().call_soon_threadsafe, self._ready.set)
+        over = self._session_over  # this session's: after a reconnect the next one has its own slots
+        next_job: Job | None = job
+        while next_job is not None and not over.is_set():
+            self.protocol.job_started(next_job)
+            wake()
+            ran = self._run_sync_job(next_job)
+            if over.is_set():
+                break  # the connection is gone: its ready jobs went back to the server
+            next_job = self._next_in_slot(next_job, ran, False)
+        wake()  # the last outcome
+
+    def _run_sync_job(self, job: Job) -> tuple[float, float]:
+        """Call the sync handler (in the slot's thread) and record its outcome; its (start, end)."""
+        expired: list[bool] = []
+        timers: list[asyncio.TimerHandle] = []
+        loop, timeout = self._event_loop(), job.timeout
+        if timeout is not None:  # a thread cannot be interrupted: the flag asks it to stop
+            loop.call_soon_threadsafe(lambda: timers.append(loop.call_later(timeout, _expire, job, expired)))
+        start = self.protocol.clock()
+        try:
+            result = self.handler(job)
+        except PermanentError as exc:
+            self.protocol.job_failed(job, _summary(exc), retryable=False)
+        except Exception as exc:  # the handler's failure is the job's, not ours
+            self.protocol.job_failed(job, _summary(exc), retryable=True)
+        else:
+            if expired:
+                self.protocol.job_failed(job, "timeout", retryable=True)
+            else:
+                self.protocol.job_done(job, result)
+        finally:
+            end = self.protocol.clock()
+            if timeout is not None:
+                loop.call_soon_threadsafe(_cancel_all, timers)
+        return start, end
 
     def _cancel(self, ids: tuple[int, ...]) -> None:
         """The server cancelled these running jobs (the protocol marked them ``cancelled``)."""
@@ -258,17 +323,12 @@ class Agent:
         if ids:
             log.info("agent.jobs_cancelled", agent=self.name, job_ids=list(ids))
 
-    async def _run_job(self, job: Job, is_async: bool) -> None:
+    async def _run_job(self, job: Job) -> None:
+        """Run an async handler under the job's timeout and record its outcome."""
         limit = asyncio.timeout(job.timeout)  # None: no limit
-        timer, expired = None, list[bool]()
         try:
-            if is_async:
-                async with limit:
-                    result = await self.handler(job)
-            else:
-                if job.timeout is not None:  # a thread cannot be interrupted: the flag asks it to stop
-                    timer = asyncio.get_running_loop().call_later(job.timeout, _expire, job, expired)
-                result = await anyio.to_thread.run_sync(self.handler, job)
+            async with limit:
+                result = await self.handler(job)
         except TimeoutError as exc:
             if limit.expired():
                 self.protocol.job_failed(job, "timeout", retryable=True)
@@ -285,13 +345,7 @@ class Agent:
         except Exception as exc:  # the handler's failure is the job's, not ours
             self.protocol.job_failed(job, _summary(exc), retryable=True)
         else:
-            if expired:
-                self.protocol.job_failed(job, "timeout", retryable=True)
-            else:
-                self.protocol.job_done(job, result)
-        finally:
-            if timer is not None:
-                timer.cancel()
+            self.protocol.job_done(job, result)
 
     async def _sender(self, ws: ClientConnection) -> None:
         """Send what the protocol queued, in as few frames as fit.
@@ -374,6 +428,18 @@ async def _stop_process(proc: asyncio.subprocess.Process, grace_seconds: float) 
     except TimeoutError:
         proc.kill()
         await asyncio.shield(proc.wait())
+
+
+def _cancel_all(timers: list[asyncio.TimerHandle]) -> None:
+    for t in timers:
+        t.cancel()
+
+
+async def _set_when_cancelled(flag: threading.Event) -> None:
+    try:
+        await anyio.sleep_forever()
+    finally:
+        flag.set()
 
 
 def _expire(job: Job, expired: list[bool]) -> None:

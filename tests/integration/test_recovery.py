@@ -59,6 +59,58 @@ async def test_result_of_a_job_survives_a_killed_server_and_is_resent(dsn, pool)
     assert row["result"] == {"token": str(row["lease_token"])}
 
 
+async def test_a_sync_slot_starts_no_ready_job_once_its_connection_is_gone(dsn, pool):
+    """A sync handler's slot runs its jobs in one thread, which nothing can stop. When its
+    connection drops while a job runs, the slot ends with that job: after a reconnect, the new
+    connection's ready jobs belong to its own slots, not to the old thread."""
+    import threading
+
+    port = free_port()
+    proc = _serve(dsn, port)
+    threads: dict[int, int] = {}
+    gates = {"r": threading.Event(), "s": threading.Event()}
+
+    def handle(job):
+        threads[job.id] = threading.get_ident()
+        gates[job.kind].wait(10)
+        return job.id
+
+    agent = Agent(f"ws://127.0.0.1:{port}/agent", "tok", ["r", "s"], 1, handle, "sync-slot", prefetch=1,
+                  reconnect_min=0.1, reconnect_max=0.3)
+
+    async def started(*ids: int) -> None:
+        with anyio.fail_after(10):
+            while not all(i in threads for i in ids):
+                await anyio.sleep(0.02)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(agent.run)
+            first = await pool.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('r') RETURNING id")
+            await started(first)
+            proc.send_signal(signal.SIGKILL)  # the first job's thread runs on
+            proc.wait(10)
+            proc = _serve(dsn, port)
+            third, fourth = [r[0] for r in await pool.fetch(
+                "INSERT INTO gpuq.jobs (kind) VALUES ('s'), ('s') RETURNING id")]
+            await started(third)  # on the new connection; the fourth waits ready
+            await wait_status(pool, fourth, "leased")
+            gates["r"].set()  # the old slot's job ends: it must not take the fourth
+            await wait_status(pool, first, "done")  # its outcome, sent on the new connection
+            await anyio.sleep(0.3)
+            assert fourth not in threads
+            gates["s"].set()
+            await wait_status(pool, fourth, "done")
+            agent.stop()
+            tg.cancel_scope.cancel()
+    finally:
+        gates["r"].set()
+        gates["s"].set()
+        proc.kill()
+        proc.wait(10)
+    assert threads[fourth] == threads[third] != threads[first]  # the fourth ran in the third's slot
+
+
 async def test_server_rides_out_a_postgres_crash_restart(dsn, pool, cluster):
     if cluster is None:
         pytest.skip("needs the embedded cluster (DATABASE_URL is set)")

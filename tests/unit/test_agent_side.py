@@ -383,13 +383,36 @@ def test_gaps_count_only_while_the_next_job_waited_and_busy_time_is_the_handlers
     clock.now += 5.0  # the queue is empty: an idle slot, not a gap
     p.take(p.receive(jobs_frame_6((3, 0))).jobs)  # just enqueued: waited 0 ms
     clock.now += 0.002  # the push to the start
-    p.job_started(p.running[3])
-    s = heartbeat_slots(p)
+    third = p.running[3]
+    p.job_started(third)
+    s = heartbeat_slots(p)  # a job counts when it ends
     assert s["busy_ms"] == pytest.approx(40.0)
-    assert s["idle_ms"] == pytest.approx(2.5)  # 0.5 ms between 1 and 2, 2 ms for job 3; not the 5 s
-    assert sum(s["gaps"]) == 3
+    assert s["idle_ms"] == pytest.approx(0.5)
+    assert sum(s["gaps"]) == 2
     p.heartbeat()  # job 3 still runs: its lease is extended; nothing counted since the last report
     assert [json.loads(f) for f in p.frames_to_send()] == [{"type": "heartbeat", "ids": [3]}]
+    clock.now += 0.010
+    p.job_done(third, None)
+    p.next_jobs(third)
+    s = heartbeat_slots(p)
+    assert (s["busy_ms"], s["idle_ms"], sum(s["gaps"])) == (pytest.approx(10.0), pytest.approx(2.0), 1)  # not 5 s
+
+
+def test_a_handler_timed_in_its_thread_counts_its_own_start_and_end():
+    clock = Clock()
+    p = slots_6(clock, capacity=1)
+    p.take(p.receive(jobs_frame_6((1, 0), (2, 0))).jobs)
+    first = p.running[1]
+    p.job_started(first)  # the loop hands it to a thread, which begins 1 ms later and runs 20 ms
+    p.job_done(first, None)
+    [nxt] = p.next_jobs(first, ran=(100.001, 100.021))
+    clock.now = 100.022
+    p.job_started(nxt)
+    p.job_done(nxt, None)
+    p.next_jobs(nxt, ran=(100.0235, 100.0435))  # its thread began 2.5 ms after the first one ended
+    s = heartbeat_slots(p)
+    assert s["busy_ms"] == pytest.approx(40.0)
+    assert s["idle_ms"] == pytest.approx(2.5 + 1.0)  # the hand-offs to the threads are gaps, not busy time
 
 
 def test_a_job_that_waited_before_a_slot_freed_counts_from_the_slot_freeing():
@@ -403,7 +426,10 @@ def test_a_job_that_waited_before_a_slot_freed_counts_from_the_slot_freeing():
     assert p.next_jobs(job) == []
     clock.now += 0.004  # the outcome's round trip and the next lease: a job that waited 10 s
     p.take(p.receive(jobs_frame_6((2, 10_000))).jobs)
-    p.job_started(p.running[2])
+    second = p.running[2]
+    p.job_started(second)
+    p.job_done(second, None)
+    p.next_jobs(second)
     assert heartbeat_slots(p)["idle_ms"] == pytest.approx(4.0)
 
 

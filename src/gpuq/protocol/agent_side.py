@@ -31,17 +31,21 @@ I/O layer (``gpuq.agent``) feeds frames to ``receive()`` and sends what
   the next ``results`` frame when there is one). A ready job that is
   cancelled ends at once as cancelled; on ``drain()`` the ready jobs are given
   back (``release``); a lost connection drops them (the server took them back).
+- thread-safe: a sync handler's slot runs in a worker thread and calls
+  ``job_started``, ``job_done``/``job_failed`` and ``next_jobs`` from there;
+  every method that changes state holds one lock.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 from gpuq.protocol.codes import SLOTS_SINCE, ErrorCode, ProtocolError
 from gpuq.protocol.describe import DeviceUsage
@@ -70,6 +74,19 @@ from gpuq.protocol.messages import (
 )
 from gpuq.protocol.slots import SlotClock
 
+_T = TypeVar("_T")
+
+
+def _locked(method: Callable[..., _T]) -> Callable[..., _T]:
+    """Run under the protocol's lock: a sync handler's slot calls in from its worker thread."""
+
+    @functools.wraps(method)
+    def locked(self: AgentProtocol, *args: Any, **kwargs: Any) -> _T:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
 
 class State(Enum):
     DISCONNECTED = "disconnected"
@@ -82,6 +99,9 @@ class AgentProtocol:
         parse_client(encode(hello), 1 << 20)  # the server's rules, checked before connecting
         self.hello = hello
         self.clock = clock
+        # Every public method that changes state holds it: the I/O layer calls from its event loop,
+        # and a sync handler's slot from its worker thread (job_started, job_done, next_jobs...).
+        self._lock = threading.RLock()
         self.slots: SlotClock | None = None  # this connection's count (version 6)
         self.state = State.DISCONNECTED
         self.running: dict[int, JobMessage] = {}
@@ -109,10 +129,12 @@ class AgentProtocol:
 
     # -- connection ----------------------------------------------------------
 
+    @_locked
     def connection_made(self) -> None:
         self.state = State.AWAITING_WELCOME
         self._control, self._outcomes = [encode(self.hello)], []
 
+    @_locked
     def connection_lost(self) -> None:
         """The server took back every job it had not seen reported; the ready ones are not ours now
         (the running ones' handlers are stopped by the I/O layer)."""
@@ -125,6 +147,7 @@ class AgentProtocol:
         self._devices_busy = set()
         self._started = []
 
+    @_locked
     def receive(self, frame: str | bytes) -> ServerMessage:
         """Take one frame from the server; what it says is the event (``Welcome``, ``Jobs``,
         ``Ack``, ``ServerDrain``, ``Error``, or ``Cancel`` naming the jobs still running), its
@@ -177,6 +200,7 @@ class AgentProtocol:
         """The pushed jobs not started yet (prefetched)."""
         return [*self.ready, *self.ready_gpu]
 
+    @_locked
     def take(self, jobs: Iterable[JobMessage]) -> list[JobMessage]:
         """Pushed jobs to start now; the others wait ready for ``next_jobs()`` (or, pushed while the
         agent drains, go back at once)."""
@@ -197,6 +221,7 @@ class AgentProtocol:
             self._release_ready()
         return now
 
+    @_locked
     def job_started(self, job: JobMessage) -> None:
         """Its handler starts now: the server is told (with the next frame)."""
         if self._speaks_started:
@@ -204,13 +229,16 @@ class AgentProtocol:
         if self.slots is not None:
             self.slots.started(job.id, self.clock())
 
-    def next_jobs(self, ended: JobMessage) -> list[JobMessage]:
+    @_locked
+    def next_jobs(self, ended: JobMessage, ran: tuple[float, float] | None = None) -> list[JobMessage]:
         """``ended``'s handler returned (its outcome is queued): the jobs to start now, the first in
         its slot. A job without devices frees a slot for the next ready one; a job with devices
-        frees them for the ready jobs that wait on them (several, when it had several)."""
+        frees them for the ready jobs that wait on them (several, when it had several). ``ran``:
+        the handler's own (start, end) on ``clock``, when the I/O layer timed it (in a thread)."""
         clock = self.slots
         if clock is not None:
-            clock.ended(ended.id, ended.devices, now := self.clock())
+            now = ran[1] if ran else self.clock()
+            clock.ended(ended.id, ended.devices, now, ran[0] if ran else None)
         if ended.devices:
             self._devices_busy.difference_update(ended.devices)
             return self._devices_freed() if self.ready_gpu else []
@@ -251,11 +279,12 @@ class AgentProtocol:
     # -- outcomes ------------------------------------------------------------
 
     def job_done(self, job: JobMessage, result: Any) -> None:
-        self._finish(job, self._done(job, result))
+        self._finish(job, self._done(job, result))  # encoded before the lock: a result can be large
 
     def job_failed(self, job: JobMessage, error: str, retryable: bool) -> None:
         self._finish(job, encode(Failed(job.id, job.lease_token, error, retryable)))
 
+    @_locked
     def _finish(self, job: JobMessage, item: str) -> None:
         self.running.pop(job.id, None)
         self._progress.pop(job.id, None)  # the outcome says more
@@ -289,6 +318,7 @@ class AgentProtocol:
             ask, self._progress_asked = not self._progress_asked, True
             return ask
 
+    @_locked
     def send_progress(self) -> None:
         """Queue the updates kept since the last call, in as few ``progress`` frames as fit."""
         with self._progress_lock:
@@ -299,6 +329,7 @@ class AgentProtocol:
 
     # -- control -------------------------------------------------------------
 
+    @_locked
     def heartbeat(self, usage: tuple[DeviceUsage, ...] | None = None) -> None:
         """Extend the leases of the running jobs, report device ``usage`` when known and (version 6)
         the slots' busy time and gaps since the last heartbeat (nothing to send when no job runs
@@ -309,6 +340,7 @@ class AgentProtocol:
         if self.running or usage is not None or report is not None:
             self._control.append(encode(Heartbeat(tuple(self.running), usage, report)))
 
+    @_locked
     def update(self, labels: Iterable[str] | None = None, models: Iterable[str] | None = None) -> None:
         """New labels and/or warm models (None: unchanged): told to the server now if connected,
         and in every later ``hello``. ``ProtocolError`` for a bad name, before anything changes."""
@@ -321,6 +353,7 @@ class AgentProtocol:
         if self.state is State.OPEN:
             self._control.append(encode(checked))
 
+    @_locked
     def drain(self) -> None:
         """Ask for no more jobs: the agent is finishing and leaving; the ready jobs go back."""
         self.draining = True
@@ -338,6 +371,7 @@ class AgentProtocol:
             self.ready.clear()
             self.ready_gpu = []
 
+    @_locked
     def frames_to_send(self) -> list[str]:
         if self.state is not State.OPEN:
             out, self._control = self._control, []  # the hello, nothing else before the welcome

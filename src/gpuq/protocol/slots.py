@@ -96,16 +96,20 @@ class SlotClock:
         self._slot_free[job_id] = freed
 
     def started(self, job_id: int, now: float) -> None:
-        freed = self._slot_free.pop(job_id, now)
-        runnable = self._runnable.pop(job_id, now)
-        gap = max(0.0, now - max(freed, runnable))
-        self._idle += gap
-        self._gaps[bisect.bisect_left(GAP_BUCKETS_MS, gap * 1000)] += 1
         self._started[job_id] = now
 
-    def ended(self, job_id: int, devices: tuple[int, ...], now: float) -> None:
-        """``job_id``'s handler returned: its devices are free from now."""
-        self._busy += now - self._started.pop(job_id, now)
+    def ended(self, job_id: int, devices: tuple[int, ...], now: float, start: float | None = None) -> None:
+        """``job_id``'s handler returned ``now``; ``start``: when it began, if the I/O layer timed it
+        (a sync handler, in its thread), else when it was ``started()``. Its gap is counted now."""
+        began = self._started.pop(job_id, now)
+        if start is not None:
+            began = start
+        freed = self._slot_free.pop(job_id, began)
+        runnable = self._runnable.pop(job_id, began)
+        gap = max(0.0, began - max(freed, runnable))
+        self._idle += gap
+        self._gaps[bisect.bisect_left(GAP_BUCKETS_MS, gap * 1000)] += 1
+        self._busy += max(0.0, now - began)
         for d in devices:
             self._device_free[d] = now
 
