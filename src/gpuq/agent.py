@@ -51,7 +51,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI
 from gpuq import gpus, logs, protocol
 from gpuq.loops import RetryBackoff, run_every
 from gpuq.protocol import Ack, Cancel, Error, Hello, Jobs, ServerDrain, Welcome
-from gpuq.protocol.agent_side import AgentProtocol
+from gpuq.protocol.agent_side import AgentProtocol, ThreadSafeAgentProtocol
 from gpuq.signals import stop_on_signal
 
 log = logs.get("agent")
@@ -110,9 +110,12 @@ class Agent:
         # The GPUs jobs may get: given, or what NVML sees (none without an NVIDIA driver).
         self.devices = gpus.detect() if devices is None else tuple(devices)
         self._usage = gpus.Usage(self.devices)
-        self.protocol = AgentProtocol(Hello(self.name, self.kinds, capacity, devices=self.devices,
-                                            labels=tuple(labels), models=tuple(models),
-                                            prefetch=prefetch))  # checks the hello
+        # Sync handlers' slots run in worker threads and call the protocol from there: it locks.
+        self._is_async = inspect.iscoroutinefunction(handler)
+        protocol_class = AgentProtocol if self._is_async else ThreadSafeAgentProtocol
+        self.protocol = protocol_class(Hello(self.name, self.kinds, capacity, devices=self.devices,
+                                             labels=tuple(labels), models=tuple(models),
+                                             prefetch=prefetch))  # checks the hello
         self._ready = asyncio.Event()  # the protocol has frames to send
         self._stop_event = asyncio.Event()
         self._tasks: dict[int, asyncio.Task[None]] = {}  # job id -> its async handler's task
@@ -223,7 +226,7 @@ class Agent:
         cancels them with it): an anyio task per job cost a third of the
         agent's CPU with short jobs.
         """
-        is_async = inspect.iscoroutinefunction(self.handler)
+        is_async = self._is_async
         self._loop = asyncio.get_running_loop()
         for job in jobs:
             protocol.attach_reporter(job, self._report_progress)

@@ -31,9 +31,10 @@ I/O layer (``gpuq.agent``) feeds frames to ``receive()`` and sends what
   the next ``results`` frame when there is one). A ready job that is
   cancelled ends at once as cancelled; on ``drain()`` the ready jobs are given
   back (``release``); a lost connection drops them (the server took them back).
-- thread-safe: a sync handler's slot runs in a worker thread and calls
-  ``job_started``, ``job_done``/``job_failed`` and ``next_jobs`` from there;
-  every method that changes state holds one lock.
+- ``ThreadSafeAgentProtocol``: the same, every method that changes state
+  under one lock, for an agent whose sync handlers' slots run in worker
+  threads and call ``job_started``, ``job_done``/``job_failed`` and
+  ``next_jobs`` from there (an async agent pays nothing for it).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from enum import Enum
-from typing import Any, TypeVar
+from typing import Any
 
 from gpuq.protocol.codes import SLOTS_SINCE, ErrorCode, ProtocolError
 from gpuq.protocol.describe import DeviceUsage
@@ -74,19 +75,6 @@ from gpuq.protocol.messages import (
 )
 from gpuq.protocol.slots import SlotClock
 
-_T = TypeVar("_T")
-
-
-def _locked(method: Callable[..., _T]) -> Callable[..., _T]:
-    """Run under the protocol's lock: a sync handler's slot calls in from its worker thread."""
-
-    @functools.wraps(method)
-    def locked(self: AgentProtocol, *args: Any, **kwargs: Any) -> _T:
-        with self._lock:
-            return method(self, *args, **kwargs)
-
-    return locked
-
 
 class State(Enum):
     DISCONNECTED = "disconnected"
@@ -99,9 +87,6 @@ class AgentProtocol:
         parse_client(encode(hello), 1 << 20)  # the server's rules, checked before connecting
         self.hello = hello
         self.clock = clock
-        # Every public method that changes state holds it: the I/O layer calls from its event loop,
-        # and a sync handler's slot from its worker thread (job_started, job_done, next_jobs...).
-        self._lock = threading.RLock()
         self.slots: SlotClock | None = None  # this connection's count (version 6)
         self.state = State.DISCONNECTED
         self.running: dict[int, JobMessage] = {}
@@ -129,12 +114,10 @@ class AgentProtocol:
 
     # -- connection ----------------------------------------------------------
 
-    @_locked
     def connection_made(self) -> None:
         self.state = State.AWAITING_WELCOME
         self._control, self._outcomes = [encode(self.hello)], []
 
-    @_locked
     def connection_lost(self) -> None:
         """The server took back every job it had not seen reported; the ready ones are not ours now
         (the running ones' handlers are stopped by the I/O layer)."""
@@ -147,7 +130,6 @@ class AgentProtocol:
         self._devices_busy = set()
         self._started = []
 
-    @_locked
     def receive(self, frame: str | bytes) -> ServerMessage:
         """Take one frame from the server; what it says is the event (``Welcome``, ``Jobs``,
         ``Ack``, ``ServerDrain``, ``Error``, or ``Cancel`` naming the jobs still running), its
@@ -200,7 +182,6 @@ class AgentProtocol:
         """The pushed jobs not started yet (prefetched)."""
         return [*self.ready, *self.ready_gpu]
 
-    @_locked
     def take(self, jobs: Iterable[JobMessage]) -> list[JobMessage]:
         """Pushed jobs to start now; the others wait ready for ``next_jobs()`` (or, pushed while the
         agent drains, go back at once)."""
@@ -221,7 +202,6 @@ class AgentProtocol:
             self._release_ready()
         return now
 
-    @_locked
     def job_started(self, job: JobMessage) -> None:
         """Its handler starts now: the server is told (with the next frame)."""
         if self._speaks_started:
@@ -229,7 +209,6 @@ class AgentProtocol:
         if self.slots is not None:
             self.slots.started(job.id, self.clock())
 
-    @_locked
     def next_jobs(self, ended: JobMessage, ran: tuple[float, float] | None = None) -> list[JobMessage]:
         """``ended``'s handler returned (its outcome is queued): the jobs to start now, the first in
         its slot. A job without devices frees a slot for the next ready one; a job with devices
@@ -284,7 +263,6 @@ class AgentProtocol:
     def job_failed(self, job: JobMessage, error: str, retryable: bool) -> None:
         self._finish(job, encode(Failed(job.id, job.lease_token, error, retryable)))
 
-    @_locked
     def _finish(self, job: JobMessage, item: str) -> None:
         self.running.pop(job.id, None)
         self._progress.pop(job.id, None)  # the outcome says more
@@ -318,7 +296,6 @@ class AgentProtocol:
             ask, self._progress_asked = not self._progress_asked, True
             return ask
 
-    @_locked
     def send_progress(self) -> None:
         """Queue the updates kept since the last call, in as few ``progress`` frames as fit."""
         with self._progress_lock:
@@ -329,7 +306,6 @@ class AgentProtocol:
 
     # -- control -------------------------------------------------------------
 
-    @_locked
     def heartbeat(self, usage: tuple[DeviceUsage, ...] | None = None) -> None:
         """Extend the leases of the running jobs, report device ``usage`` when known and (version 6)
         the slots' busy time and gaps since the last heartbeat (nothing to send when no job runs
@@ -340,7 +316,6 @@ class AgentProtocol:
         if self.running or usage is not None or report is not None:
             self._control.append(encode(Heartbeat(tuple(self.running), usage, report)))
 
-    @_locked
     def update(self, labels: Iterable[str] | None = None, models: Iterable[str] | None = None) -> None:
         """New labels and/or warm models (None: unchanged): told to the server now if connected,
         and in every later ``hello``. ``ProtocolError`` for a bad name, before anything changes."""
@@ -353,7 +328,6 @@ class AgentProtocol:
         if self.state is State.OPEN:
             self._control.append(encode(checked))
 
-    @_locked
     def drain(self) -> None:
         """Ask for no more jobs: the agent is finishing and leaving; the ready jobs go back."""
         self.draining = True
@@ -371,7 +345,6 @@ class AgentProtocol:
             self.ready.clear()
             self.ready_gpu = []
 
-    @_locked
     def frames_to_send(self) -> list[str]:
         if self.state is not State.OPEN:
             out, self._control = self._control, []  # the hello, nothing else before the welcome
@@ -379,3 +352,29 @@ class AgentProtocol:
         out = self._control + pack_results(self._outcomes, self.max_frame, tuple(self._started))
         self._control, self._outcomes, self._started = [], [], []
         return out
+
+
+# Every method that changes state: the I/O layer calls them from its event loop, a sync slot from its thread.
+_CHANGES_STATE = ("connection_made", "connection_lost", "receive", "take", "job_started", "next_jobs", "_finish",
+                  "send_progress", "heartbeat", "update", "drain", "frames_to_send")
+
+
+class ThreadSafeAgentProtocol(AgentProtocol):
+    """``AgentProtocol`` with every method that changes state under one lock (sync handlers)."""
+
+    def __init__(self, hello: Hello, clock: Callable[[], float] = time.monotonic):
+        self._lock = threading.RLock()
+        super().__init__(hello, clock)
+
+
+def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def locked(self: ThreadSafeAgentProtocol, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
+for _name in _CHANGES_STATE:
+    setattr(ThreadSafeAgentProtocol, _name, _locked(getattr(AgentProtocol, _name)))

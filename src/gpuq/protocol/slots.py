@@ -76,42 +76,47 @@ class SlotClock:
     def __init__(self, capacity: int, devices: Iterable[int], now: float):
         self._free_slots: deque[float] = deque([now] * capacity)  # when each free slot freed
         self._device_free: dict[int, float] = dict.fromkeys(devices, now)
-        self._runnable: dict[int, float] = {}  # job id -> when it became runnable
-        self._slot_free: dict[int, float] = {}  # job id -> when the slot it will run in freed
-        self._started: dict[int, float] = {}  # job id -> when its handler started
+        # job id -> [when it fell due, when the slot it will run in freed, when its handler started]
+        self._jobs: dict[int, list[float]] = {}
         self._busy = self._idle = 0.0
         self._gaps = [0] * (len(GAP_BUCKETS_MS) + 1)
 
     def pushed(self, job_id: int, queued_ms: float | None, now: float) -> None:
-        self._runnable[job_id] = now - (queued_ms or 0) / 1000
+        self._jobs[job_id] = [now - (queued_ms or 0) / 1000, now, now]
 
     def assigned(self, job_id: int, devices: tuple[int, ...], now: float, freed: float | None = None) -> None:
         """``job_id`` will run in a free slot (``freed``: the slot its job before just left), or on
         ``devices``, free now."""
+        if (job := self._jobs.get(job_id)) is None:
+            return
         if freed is None:
             if devices:
                 freed = max((self._device_free.get(d, now) for d in devices), default=now)
             else:
                 freed = self._free_slots.popleft() if self._free_slots else now
-        self._slot_free[job_id] = freed
+        job[1] = freed
 
     def started(self, job_id: int, now: float) -> None:
-        self._started[job_id] = now
+        if (job := self._jobs.get(job_id)) is not None:
+            job[2] = now
 
     def ended(self, job_id: int, devices: tuple[int, ...], now: float, start: float | None = None) -> None:
         """``job_id``'s handler returned ``now``; ``start``: when it began, if the I/O layer timed it
         (a sync handler, in its thread), else when it was ``started()``. Its gap is counted now."""
-        began = self._started.pop(job_id, now)
-        if start is not None:
-            began = start
-        freed = self._slot_free.pop(job_id, began)
-        runnable = self._runnable.pop(job_id, began)
-        gap = max(0.0, began - max(freed, runnable))
-        self._idle += gap
-        self._gaps[bisect.bisect_left(GAP_BUCKETS_MS, gap * 1000)] += 1
-        self._busy += max(0.0, now - began)
         for d in devices:
             self._device_free[d] = now
+        if (job := self._jobs.pop(job_id, None)) is None:
+            return
+        runnable, freed, began = job
+        if start is not None:
+            began = start
+        gap = began - (freed if freed > runnable else runnable)
+        if gap > 0:
+            self._idle += gap
+            self._gaps[bisect.bisect_left(GAP_BUCKETS_MS, gap * 1000)] += 1
+        else:
+            self._gaps[0] += 1
+        self._busy += now - began
 
     def slot_freed(self, now: float) -> None:
         """A slot without devices has no next job: it waits from now."""
@@ -119,9 +124,7 @@ class SlotClock:
 
     def forget(self, job_id: int) -> None:
         """A job that never ran here (released, cancelled while ready, or lost)."""
-        self._runnable.pop(job_id, None)
-        self._slot_free.pop(job_id, None)
-        self._started.pop(job_id, None)
+        self._jobs.pop(job_id, None)
 
     def report(self) -> SlotReport:
         """What was counted since the last report, and start counting afresh."""
