@@ -125,6 +125,12 @@ SETTINGS: tuple[Setting, ...] = (
             "host:port of /agent and the HTTP endpoints", {SERVE: "--listen"}, shown="`127.0.0.1:8765`"),
     Setting("tokens", "GPUQ_TOKENS", frozenset(), parse_tokens,
             "comma-separated bearer tokens agents may present", {SERVE: "--tokens"}, shown="required"),
+    Setting("ui_tokens", "GPUQ_UI_TOKENS", frozenset(), parse_tokens,
+            "comma-separated tokens that open the dashboard (/ui) read-only; agents' tokens do not",
+            {SERVE: "--ui-tokens"}, shown="none (no read-only login)"),
+    Setting("ui_admin_tokens", "GPUQ_UI_ADMIN_TOKENS", frozenset(), parse_tokens,
+            "comma-separated tokens that open the dashboard as admin, with its actions",
+            {SERVE: "--ui-admin-tokens"}, shown="none (no admin login)"),
     Setting("lease_seconds", "GPUQ_LEASE_SECONDS", 60.0, parse_duration,
             "lease length; a silent agent's jobs return after it", {SERVE: "--lease-seconds"}),
     Setting("heartbeat_seconds", "GPUQ_HEARTBEAT_SECONDS", 15.0, parse_duration,
@@ -245,6 +251,8 @@ class ServerConfig:
     direct_url: str | None = default("direct_url")
     listen: tuple[str, int] = default("listen")
     tokens: frozenset[str] = default("tokens")
+    ui_tokens: frozenset[str] = default("ui_tokens")
+    ui_admin_tokens: frozenset[str] = default("ui_admin_tokens")
     lease_seconds: float = default("lease_seconds")
     heartbeat_seconds: float = default("heartbeat_seconds")
     poll_seconds: float = default("poll_seconds")
@@ -270,6 +278,10 @@ class ServerConfig:
                 f"heartbeat_seconds ({self.heartbeat_seconds}) must be shorter than lease_seconds "
                 f"({self.lease_seconds}), or leases expire between heartbeats"
             )
+        if (self.ui_tokens | self.ui_admin_tokens) & self.tokens:
+            raise ConfigError("a dashboard token is also an agent token: give the dashboard its own")
+        if self.ui_tokens & self.ui_admin_tokens:
+            raise ConfigError("a token is both read-only and admin for the dashboard: give each one role")
         if self.warm_wait_seconds < 0:
             raise ConfigError(f"warm_wait_seconds must be 0 or more, not {self.warm_wait_seconds}")
         if self.max_payload < 1024:

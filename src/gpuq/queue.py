@@ -708,6 +708,7 @@ class StatusCounts:
     oldest_pending_seconds: float | None
     history_estimate: int  # done + dead, from planner statistics (approximate)
     paused: dict[str, dict[str, Any]] = field(default_factory=dict)  # kind -> {since, by}
+    oldest_pending_by_kind: dict[str, float] = field(default_factory=dict)  # kind -> seconds
 
     def total(self, status: str) -> int:
         return sum(self.live.get(status, {}).values())
@@ -726,15 +727,15 @@ async def status_counts(db: DB) -> StatusCounts:
     """Live counts, each state from its own partial index; history only as the planner's estimate."""
     rows = await db.fetch(queries["status_counts"])
     live: dict[str, dict[str, int]] = {s: {} for s in LIVE_STATES}
-    oldest = None
+    oldest: dict[str, datetime] = {}
     for r in rows:
         live[r["status"]][r["kind"]] = r["n"]
-        if r["status"] == "pending" and (oldest is None or r["oldest"] < oldest):
-            oldest = r["oldest"]
+        if r["status"] == "pending":
+            oldest[r["kind"]] = r["oldest"]
     estimate, now = await db.fetchrow(queries["table_estimate"])
     n_live = sum(sum(k.values()) for k in live.values())
-    return StatusCounts(live, (now - oldest).total_seconds() if oldest else None, max(0, estimate - n_live),
-                        await paused(db))
+    ages = {kind: (now - at).total_seconds() for kind, at in oldest.items()}
+    return StatusCounts(live, max(ages.values(), default=None), max(0, estimate - n_live), await paused(db), ages)
 
 
 def _json(value: Any) -> str | None:

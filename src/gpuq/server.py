@@ -31,6 +31,7 @@ from gpuq.migrate import pending_migrations
 from gpuq.protocol import PREFETCH_SINCE, CloseCode, Welcome, server_side, slots
 from gpuq.protocol.server_side import ServerProtocol
 from gpuq.sql import queries
+from gpuq.ui.web import LIVE_PATH, UI, Dashboard
 
 log = logs.get("server")
 
@@ -44,9 +45,10 @@ JOBS_PATH = "/jobs/"
 class AgentServer:
     """Websocket + HTTP front of one dispatcher."""
 
-    def __init__(self, dispatcher: Dispatcher, config: ServerConfig):
+    def __init__(self, dispatcher: Dispatcher, config: ServerConfig, tls: bool = False):
         self.d = dispatcher
         self.config = config
+        self.ui = Dashboard(self, config.ui_tokens, config.ui_admin_tokens, tls)
         self._per_ip: dict[str, int] = {}
         self._connections = 0
 
@@ -54,6 +56,8 @@ class AgentServer:
 
     async def process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         path = request.path.split("?", 1)[0]
+        if path == UI or path.startswith(UI + "/"):
+            return await self.ui.respond(connection, request)
         if path == AGENT_PATH:
             if not self._authorized(request.headers.get("Authorization", "")):
                 log.warning("agent.unauthorized", remote=_remote(connection))
@@ -88,7 +92,7 @@ class AgentServer:
                 pass  # the rest of the metrics are still worth serving
             metrics.show_devices((s.id, s.devices, s.protocol.usage) for s in self.d.sessions.values())
             return _response(HTTPStatus.OK, generate_latest(metrics.REGISTRY), CONTENT_TYPE_LATEST)
-        return _response(HTTPStatus.NOT_FOUND, b"not found: try /agent, /healthz, /status, /metrics, /jobs/ID\n",
+        return _response(HTTPStatus.NOT_FOUND, b"not found: try /ui, /agent, /healthz, /status, /metrics, /jobs/ID\n",
                          "text/plain")
 
     async def _job(self, tail: str, authorization: str) -> Response:
@@ -137,10 +141,10 @@ class AgentServer:
         body["unplaceable"] = await self.d.unplaceable()
         body["limits"] = await queue.limits(self.d.pool)
         body["agents_connected"] = len(self.d.sessions)
-        body["slots"] = self._slots_status()
+        body["slots"] = self.slots_status()
         return body
 
-    def _slots_status(self) -> dict[str, Any]:
+    def slots_status(self) -> dict[str, Any]:
         """The fleet's busy fraction over the last minute: handler time over handler time plus the
         idle gaps while work waited, as this server's protocol 6 agents reported them."""
         now = time.monotonic()
@@ -181,6 +185,9 @@ class AgentServer:
     # protocol/server_side.py.
 
     async def handle(self, ws: ServerConnection) -> None:
+        if ws.request is not None and ws.request.path.startswith(LIVE_PATH):
+            await self.ui.live(ws)  # process_request let only a logged-in page of this origin here
+            return
         ip = _remote(ws).rsplit(":", 1)[0]
         self._connections += 1
         self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
@@ -343,7 +350,7 @@ async def serve(
             if missing := await pending_migrations(conn):
                 raise ConfigError(f"the database is not migrated (missing {', '.join(missing)}): run `gpuq migrate`")
         dispatcher = Dispatcher(pool, config)
-        front = AgentServer(dispatcher, config)
+        front = AgentServer(dispatcher, config, tls=tls is not None)
         maintainer = Maintainer.standard(pool, config.sweep_seconds, config.retention_seconds)
         async with anyio.create_task_group() as tg:
             tg.start_soon(dispatcher.run)

@@ -198,6 +198,7 @@ class ServerProtocol:
         self.devices_in_use: dict[int, tuple[int, ...]] = {}  # job id -> the devices it was pushed with
         self.started: set[int] = set()  # version 5: held jobs the agent said it started
         self.busy = BusyWindow()  # version 6: the agent's slot reports of the last minute
+        self.last_heartbeat: float | None = None  # when the last heartbeat came (the clock of receive)
         self._now = now
         self._bucket = TokenBucket(max_messages_per_second, RATE_BURST_SECONDS, now)
         self._out: list[str] = []
@@ -294,6 +295,7 @@ class ServerProtocol:
         if isinstance(msg, Release):
             return self._release(msg.ids)
         if isinstance(msg, Heartbeat):
+            self.last_heartbeat = self._now
             if msg.devices is not None:
                 self._usage(msg.devices)
             events = self._heartbeat(msg.ids)

@@ -1,0 +1,67 @@
+"""What each dashboard page shows, as plain data from the server's own state and indexed queries.
+
+No view scans history: counts come from the partial indexes (``status_counts``),
+agents from the dispatcher's memory (docs/design.md, "Dashboard").
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gpuq import queue
+from gpuq.protocol import PREFETCH_SINCE, slots
+
+
+async def overview(server: Any) -> dict[str, Any]:
+    """Per kind: pending, leased, scheduled, paused, unplaceable, the oldest pending job's age;
+    the fleet: agents, busy fraction."""
+    counts = await queue.status_counts(server.d.pool)
+    unplaceable = await server.d.unplaceable()
+    kinds = sorted({k for by_kind in counts.live.values() for k in by_kind} | set(counts.paused) | set(unplaceable))
+    rows = [{
+        "kind": k,
+        "pending": counts.live["pending"].get(k, 0),
+        "leased": counts.live["leased"].get(k, 0),
+        "scheduled": counts.live["scheduled"].get(k, 0),
+        "paused": k in counts.paused,
+        "unplaceable": sum(u["pending"] for u in unplaceable.get(k, [])),
+        "oldest_pending": _age(counts.oldest_pending_by_kind.get(k)),
+    } for k in kinds]
+    return {"kinds": rows, "agents": len(server.d.sessions), "history_estimate": counts.history_estimate,
+            "busy_fraction": server.slots_status()["busy_fraction"]}
+
+
+def agents(server: Any) -> list[dict[str, Any]]:
+    """Every agent connected to this server, as an operator reads it."""
+    now = time.monotonic()
+    out = []
+    for s in server.d.sessions.values():
+        proto = s.protocol
+        running = {d for job_id, given in proto.devices_in_use.items()
+                   if job_id in proto.started or proto.version < PREFETCH_SINCE for d in given}
+        devices = []
+        for d in s.devices:
+            usage = proto.usage.get(d.index)
+            devices.append({"index": d.index, "name": d.name, "memory_mb": d.memory_mb,
+                            "memory_used_mb": usage.memory_used_mb if usage else None,
+                            "utilization": usage.utilization if usage else None, "busy": d.index in running})
+        beat = proto.last_heartbeat
+        out.append({
+            "id": s.id, "remote": s.remote, "kinds": sorted(s.kinds), "capacity": s.capacity,
+            "inflight": len(s.inflight), "devices": devices, "labels": list(proto.labels),
+            "models": list(proto.models), "protocol": proto.version, "draining": s.draining,
+            "last_heartbeat": None if beat is None else _age(now - beat),
+            "busy_fraction": slots.busy_fraction(*proto.busy.totals(now)),
+        })
+    return sorted(out, key=lambda a: a["id"])
+
+
+def _age(seconds: float | None) -> str | None:
+    if seconds is None:
+        return None
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"

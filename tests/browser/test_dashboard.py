@@ -1,0 +1,72 @@
+"""The dashboard in a real Chromium (issue #18): log in, watch agents and jobs live."""
+
+import anyio
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+
+from gpuq.harness import running_server
+from tests.browser.conftest import screenshot
+
+READ, ADMIN = "read-secret-1", "admin-secret-1"
+UI = {"ui_tokens": frozenset({READ}), "ui_admin_tokens": frozenset({ADMIN})}
+
+
+async def browse(fn, *args):
+    """Selenium blocks: drive it from a thread while the server runs on this loop."""
+    return await anyio.to_thread.run_sync(fn, *args)
+
+
+def log_in(driver, base: str, token: str) -> None:
+    driver.get(f"{base}/ui")
+    WebDriverWait(driver, 10).until(lambda d: d.current_url.endswith("/ui/login"))
+    driver.find_element(By.ID, "token").send_keys(token)
+    driver.find_element(By.CSS_SELECTOR, "#login button").click()
+    WebDriverWait(driver, 10).until(lambda d: d.find_elements(By.ID, "kinds"))
+
+
+def until(driver, check, timeout: float = 10):
+    return WebDriverWait(driver, timeout).until(check)
+
+
+async def _noop(job):
+    return None
+
+
+async def test_log_in_with_a_wrong_token_then_a_right_one(chrome, dsn):
+    def steps(base: str) -> None:
+        chrome.get(f"{base}/ui/login")
+        chrome.find_element(By.ID, "token").send_keys("not-a-token")
+        chrome.find_element(By.CSS_SELECTOR, "#login button").click()
+        error = until(chrome, lambda d: d.find_element(By.ID, "login-error").is_displayed()
+                      and d.find_element(By.ID, "login-error"))
+        assert "does not open" in error.text
+        screenshot(chrome, "login-refused")
+        log_in(chrome, base, READ)
+        assert chrome.find_element(By.CSS_SELECTOR, ".role").text == "read-only"
+        assert chrome.execute_script("return document.cookie") == ""  # HttpOnly: no script reads it
+
+    async with running_server(dsn, **UI) as srv:
+        await browse(steps, srv.http)
+
+
+async def test_an_agent_connecting_shows_up_without_a_reload(chrome, dsn):
+    async with running_server(dsn, **UI) as srv:
+        await browse(log_in, chrome, srv.http, ADMIN)
+        await browse(chrome.get, f"{srv.http}/ui/agents")
+        await browse(until, chrome, lambda d: "no agent connected" in d.find_element(By.ID, "agents").text)
+        await srv.agent(["embed", "train"], 3, _noop, "gpu-box-7")
+        rows = await browse(until, chrome, lambda d: d.find_elements(By.CSS_SELECTOR, "tr[data-agent^='gpu-box-7#']"))
+        text = await browse(lambda: rows[0].text)
+        assert "embed, train" in text and "0 / 3" in text
+        await browse(screenshot, chrome, "agents")
+
+
+async def test_jobs_enqueued_then_completed_move_through_the_overview(chrome, dsn, pool):
+    pending = "tr[data-kind='render'] td[data-col='pending']"
+    async with running_server(dsn, **UI) as srv:
+        await browse(log_in, chrome, srv.http, READ)
+        await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'render' FROM generate_series(1, 25)")
+        await browse(until, chrome, lambda d: [e.text for e in d.find_elements(By.CSS_SELECTOR, pending)] == ["25"])
+        await browse(screenshot, chrome, "overview-backlog")
+        await srv.agent(["render"], 4, _noop, "renderer")
+        await browse(until, chrome, lambda d: "no live jobs" in d.find_element(By.ID, "kinds").text, 15)

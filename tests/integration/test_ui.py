@@ -1,0 +1,138 @@
+"""The dashboard over HTTP (issue #18): who gets in, what a page shows, live updates, headers.
+
+The browser tests (tests/browser) drive the same pages in Chromium.
+"""
+
+import http.client
+import json
+
+import anyio
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
+
+from gpuq.config import ConfigError, ServerConfig
+from gpuq.harness import TOKEN, running_server
+
+READ, ADMIN = "read-secret-1", "admin-secret-1"
+UI = {"ui_tokens": frozenset({READ}), "ui_admin_tokens": frozenset({ADMIN})}
+
+
+async def request(port: int, method: str, path: str, headers: dict[str, str] | None = None
+                  ) -> tuple[int, dict[str, str], str]:
+    def go() -> tuple[int, dict[str, str], str]:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        c.request(method, path, headers=headers or {})
+        r = c.getresponse()
+        out = r.status, {k.lower(): v for k, v in r.getheaders()}, r.read().decode()
+        c.close()
+        return out
+    return await anyio.to_thread.run_sync(go)
+
+
+def origin(port: int) -> dict[str, str]:
+    return {"Origin": f"http://127.0.0.1:{port}"}
+
+
+async def login(port: int, token: str) -> str:
+    status, headers, _ = await request(port, "POST", "/ui/login",
+                                       {"Authorization": f"Bearer {token}", **origin(port)})
+    assert status == 204, status
+    return headers["set-cookie"].split(";")[0]
+
+
+async def test_nothing_is_visible_without_a_dashboard_token(dsn):
+    async with running_server(dsn, **UI) as srv:
+        status, headers, _ = await request(srv.port, "GET", "/ui")
+        assert status == 303 and headers["location"] == "/ui/login"
+        status, _, body = await request(srv.port, "GET", "/ui/login")
+        assert status == 200 and 'type="password"' in body and READ not in body
+        for token in (TOKEN, "nope"):  # an agent's token opens nothing
+            status, _, _ = await request(srv.port, "POST", "/ui/login", {"Authorization": f"Bearer {token}",
+                                                                        **origin(srv.port)})
+            assert status == 401
+        status, _, _ = await request(srv.port, "GET", "/ui", {"Cookie": "gpuq_ui=admin.9999999999.00.forged"})
+        assert status == 303
+        status, _, _ = await request(srv.port, "POST", "/ui/login", {"Authorization": f"Bearer {READ}"})
+        assert status == 403  # no Origin: not a page of ours
+
+
+async def test_a_session_cookie_is_http_only_and_strict_and_opens_the_pages(dsn, pool):
+    async with running_server(dsn, **UI) as srv:
+        await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('embed'), ('embed'), ('train')")
+        await srv.agent(["embed"], 2, _never, "box-1")
+        status, headers, _ = await request(srv.port, "POST", "/ui/login",
+                                           {"Authorization": f"Bearer {READ}", **origin(srv.port)})
+        cookie = headers["set-cookie"]
+        assert status == 204 and "HttpOnly" in cookie and "SameSite=Strict" in cookie and READ not in cookie
+        session = {"Cookie": cookie.split(";")[0]}
+        status, headers, body = await request(srv.port, "GET", "/ui", session)
+        assert status == 200 and 'data-kind="train"' in body and "read-only" in body
+        assert "script-src 'self'" in headers["content-security-policy"]
+        assert READ not in body and TOKEN not in body
+        status, _, body = await request(srv.port, "GET", "/ui/agents", session)
+        assert status == 200 and "box-1#" in body and "embed" in body
+
+
+async def _never(job):
+    await anyio.sleep(60)
+
+
+async def test_a_post_needs_the_sessions_csrf_token_and_this_origin(dsn):
+    async with running_server(dsn, **UI) as srv:
+        session = {"Cookie": await login(srv.port, ADMIN)}
+        _, _, page = await request(srv.port, "GET", "/ui", session)
+        csrf = json.loads(page.split('hx-headers="', 1)[1].split('"', 1)[0].replace("&#34;", '"'))["X-CSRF-Token"]
+        for headers in ({}, {"X-CSRF-Token": "0" * 64}, {"X-CSRF-Token": csrf, "Origin": "http://evil.example"}):
+            status, _, _ = await request(srv.port, "POST", "/ui/logout", {**session, **origin(srv.port), **headers})
+            assert status == 403
+        status, headers, _ = await request(srv.port, "POST", "/ui/logout",
+                                           {**session, **origin(srv.port), "X-CSRF-Token": csrf})
+        assert status == 204 and "Max-Age=0" in headers["set-cookie"]
+
+
+async def test_the_live_socket_pushes_the_pages_fragments_to_a_logged_in_page_only(dsn, pool):
+    async with running_server(dsn, **UI) as srv:
+        live = f"ws://127.0.0.1:{srv.port}/ui/live?page=overview"
+        with pytest.raises(InvalidStatus):
+            await connect(live, origin=f"http://127.0.0.1:{srv.port}")
+        cookie = await login(srv.port, READ)
+        with pytest.raises(InvalidStatus):  # another origin: refused even with the cookie
+            await connect(live, additional_headers={"Cookie": cookie}, origin="http://evil.example")
+        async with connect(live, additional_headers={"Cookie": cookie}, origin=f"http://127.0.0.1:{srv.port}") as ws:
+            first = await ws.recv()
+            assert 'id="overview" hx-swap-oob="true"' in first and "no live jobs" in first
+            await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('render')")
+            with anyio.fail_after(5):
+                assert 'data-kind="render"' in await ws.recv()  # pushed when it changed
+
+
+async def test_static_files_are_the_vendored_ones_only(dsn):
+    async with running_server(dsn, **UI) as srv:
+        status, headers, body = await request(srv.port, "GET", "/ui/static/htmx-2.0.11.min.js")
+        assert status == 200 and headers["content-type"].startswith("text/javascript") and "htmx" in body
+        status, _, _ = await request(srv.port, "GET", "/ui/static/../../config.py")
+        assert status == 404
+
+
+async def test_the_dashboard_is_off_without_its_tokens(dsn):
+    async with running_server(dsn) as srv:
+        status, _, body = await request(srv.port, "GET", "/ui")
+        assert status == 404 and "GPUQ_UI_TOKENS" in body
+
+
+def test_a_dashboard_token_may_not_be_an_agents_or_both_roles():
+    with pytest.raises(ConfigError, match="agent token"):
+        ServerConfig(database_url="postgresql://x", tokens=frozenset({"t"}), ui_tokens=frozenset({"t"}))
+    with pytest.raises(ConfigError, match="one role"):
+        ServerConfig(database_url="postgresql://x", tokens=frozenset({"t"}), ui_tokens=frozenset({"u"}),
+                     ui_admin_tokens=frozenset({"u"}))
+
+
+async def test_the_server_stops_while_a_page_is_open_on_an_unchanging_view(dsn):
+    with anyio.fail_after(20):  # a live socket with nothing new to send must still notice the close
+        async with running_server(dsn, **UI) as srv:
+            cookie = await login(srv.port, READ)
+            ws = await connect(f"ws://127.0.0.1:{srv.port}/ui/live?page=overview",
+                               additional_headers={"Cookie": cookie}, origin=f"http://127.0.0.1:{srv.port}")
+            await ws.recv()
