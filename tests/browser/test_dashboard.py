@@ -1,6 +1,7 @@
 """The dashboard in a real Chromium (issue #18): log in, watch agents and jobs live."""
 
 import anyio
+from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
@@ -26,6 +27,15 @@ def log_in(driver, base: str, token: str) -> None:
 
 def until(driver, check, timeout: float = 10):
     return WebDriverWait(driver, timeout).until(check)
+
+
+def click(driver, css: str) -> bool:
+    """Click what ``css`` finds; False (try again) when a live update replaced it meanwhile."""
+    try:
+        driver.find_element(By.CSS_SELECTOR, css).click()
+        return True
+    except (NoSuchElementException, StaleElementReferenceException):
+        return False
 
 
 async def _noop(job):
@@ -69,4 +79,20 @@ async def test_jobs_enqueued_then_completed_move_through_the_overview(chrome, ds
         await browse(until, chrome, lambda d: [e.text for e in d.find_elements(By.CSS_SELECTOR, pending)] == ["25"])
         await browse(screenshot, chrome, "overview-backlog")
         await srv.agent(["render"], 4, _noop, "renderer")
+        await browse(until, chrome, lambda d: "no live jobs" in d.find_element(By.ID, "kinds").text, 15)
+
+
+async def test_pause_a_kind_and_see_nothing_of_it_leased_then_resume(chrome, dsn, pool):
+    row = "tr[data-kind='batch']"
+    async with running_server(dsn, **UI) as srv:
+        await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'batch' FROM generate_series(1, 5)")
+        await browse(log_in, chrome, srv.http, ADMIN)
+        await browse(until, chrome, lambda d: click(d, f"{row} button.action"))
+        await browse(until, chrome, lambda d: d.find_element(By.CSS_SELECTOR, f"{row} td[data-col='state']")
+                     .text.startswith("paused"))
+        await srv.agent(["batch"], 4, _noop, "batcher")
+        await anyio.sleep(1.5)  # an agent is there and the poll has come: nothing of the kind is leased
+        assert await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'pending'") == 5
+        await browse(screenshot, chrome, "overview-paused")
+        await browse(until, chrome, lambda d: click(d, f"{row} button.action"))
         await browse(until, chrome, lambda d: "no live jobs" in d.find_element(By.ID, "kinds").text, 15)

@@ -136,3 +136,22 @@ async def test_the_server_stops_while_a_page_is_open_on_an_unchanging_view(dsn):
             ws = await connect(f"ws://127.0.0.1:{srv.port}/ui/live?page=overview",
                                additional_headers={"Cookie": cookie}, origin=f"http://127.0.0.1:{srv.port}")
             await ws.recv()
+
+
+async def test_only_an_admin_pauses_and_resumes_a_kind_with_the_clis_functions(dsn, pool):
+    from gpuq import queue
+
+    async with running_server(dsn, **UI) as srv:
+        for token, expected in ((READ, 403), (ADMIN, 204)):
+            session = {"Cookie": await login(srv.port, token)}
+            _, _, page = await request(srv.port, "GET", "/ui", session)
+            csrf = json.loads(page.split('hx-headers="', 1)[1].split('"', 1)[0].replace("&#34;", '"'))["X-CSRF-Token"]
+            headers = {**session, **origin(srv.port), "X-CSRF-Token": csrf}
+            status, _, _ = await request(srv.port, "POST", "/ui/kinds/pause?kind=batch", headers)
+            assert status == expected
+        assert set(await queue.paused(pool)) == {"batch"}
+        assert (await queue.paused(pool))["batch"]["by"] == "dashboard"
+        status, _, body = await request(srv.port, "POST", "/ui/kinds/pause?kind=bad%20kind", headers)
+        assert status == 400 and "bad job kind" in body
+        status, _, _ = await request(srv.port, "POST", "/ui/kinds/resume?kind=batch", headers)
+        assert status == 204 and await queue.paused(pool) == {}

@@ -29,7 +29,8 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from gpuq import logs
+from gpuq import logs, queue
+from gpuq.kinds import KIND_RULE, is_kind
 from gpuq.ui import auth, views
 
 log = logs.get("ui")
@@ -115,6 +116,19 @@ class Dashboard:
             return Response(HTTPStatus.NO_CONTENT.value, "No Content", Headers([
                 ("Set-Cookie", auth.set_cookie("", self.tls).replace(f"Max-Age={auth.SESSION_SECONDS}", "Max-Age=0")),
                 ("Content-Length", "0"), ("HX-Redirect", "/ui/login"), *SECURITY_HEADERS]), b"")
+        if path in ("/ui/kinds/pause", "/ui/kinds/resume"):
+            if not session.admin:
+                return _text(HTTPStatus.FORBIDDEN, "a read-only session has no actions\n")
+            kind = parse_qs(urlsplit(request.path).query).get("kind", [""])[0]
+            if not is_kind(kind):
+                return _text(HTTPStatus.BAD_REQUEST, f"bad job kind {kind!r}: {KIND_RULE}\n")
+            if path.endswith("pause"):  # the CLI's functions: the two cannot disagree
+                await queue.pause(self.server.d.pool, kind, by="dashboard")
+            else:
+                await queue.resume(self.server.d.pool, kind)
+            log.info("ui.action", action=path.rsplit("/", 1)[1], kind=kind)
+            return Response(HTTPStatus.NO_CONTENT.value, "No Content",
+                            Headers([("Content-Length", "0"), *SECURITY_HEADERS]), b"")
         return _text(HTTPStatus.NOT_FOUND, f"no action {path}\n")
 
     def _same_origin(self, request: Request) -> bool:
@@ -139,8 +153,11 @@ class Dashboard:
 
     async def live(self, ws: ServerConnection) -> None:
         """Push the page's fragments (``?page=overview|agents``) whenever they change."""
-        page = parse_qs(urlsplit(ws.request.path if ws.request else "").query).get("page", ["overview"])[0]
-        render = {"overview": self._overview_fragment, "agents": self._agents_fragment}.get(page)
+        request = ws.request
+        page = parse_qs(urlsplit(request.path if request else "").query).get("page", ["overview"])[0]
+        session = self.keys.session(auth.cookie_value(request.headers.get("Cookie") if request else None), time.time())
+        admin = session is not None and session.admin
+        render = {"overview": lambda: self._overview_fragment(admin), "agents": self._agents_fragment}.get(page)
         if render is None:
             await ws.close(1008, "unknown page")
             return
@@ -157,9 +174,9 @@ class Dashboard:
         except ConnectionClosed:
             pass
 
-    async def _overview_fragment(self) -> str:
+    async def _overview_fragment(self, admin: bool) -> str:
         return _templates.get_template("overview_body.html").render(
-            overview=await views.overview(self.server), oob=True)
+            overview=await views.overview(self.server), oob=True, admin=admin)
 
     async def _agents_fragment(self) -> str:
         return _templates.get_template("agents_body.html").render(agents=views.agents(self.server), oob=True)
