@@ -28,7 +28,7 @@ from gpuq.config import ConfigError, ServerConfig
 from gpuq.dispatcher import AgentSession, Dispatcher
 from gpuq.maintenance import Maintainer
 from gpuq.migrate import pending_migrations
-from gpuq.protocol import PREFETCH_SINCE, CloseCode, Welcome, server_side, slots
+from gpuq.protocol import CloseCode, Welcome, server_side, slots
 from gpuq.protocol.server_side import ServerProtocol
 from gpuq.sql import queries
 from gpuq.ui.web import LIVE_PATH, UI, Dashboard
@@ -157,12 +157,7 @@ class AgentServer:
 
     def _agent_status(self, s: AgentSession) -> dict[str, Any]:
         proto = s.protocol
-        holder: dict[int, int] = {}  # device -> the job running there
-        ready: dict[int, int] = {}  # device -> the job waiting for it (prefetched)
-        for job_id, given in proto.devices_in_use.items():
-            started = job_id in proto.started or proto.version < PREFETCH_SINCE
-            for i in given:
-                (holder if started else ready)[i] = job_id
+        holder, ready = proto.device_jobs()
         devices = []
         for d in s.devices:
             usage = proto.usage.get(d.index)

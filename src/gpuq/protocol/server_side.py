@@ -232,6 +232,17 @@ class ServerProtocol:
         """Held jobs that started: whose attempt counts if the connection ends now."""
         return list(self.started) if self.version >= PREFETCH_SINCE else list(self.held)
 
+    def device_jobs(self) -> tuple[dict[int, int], dict[int, int]]:
+        """Device index -> the held job running there, and -> the held job waiting for it (version 6
+        prefetch; before version 5 every pushed job counts as running)."""
+        running: dict[int, int] = {}
+        waiting: dict[int, int] = {}
+        for job_id, given in self.devices_in_use.items():
+            started = job_id in self.started or self.version < PREFETCH_SINCE
+            for i in given:
+                (running if started else waiting)[i] = job_id
+        return running, waiting
+
     def free_devices(self, min_memory_mb: int = 0) -> list[int]:
         """Indices of the devices no held job was given, with at least ``min_memory_mb`` (none while
         draining)."""

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from gpuq import queue
-from gpuq.protocol import PREFETCH_SINCE, slots
+from gpuq.protocol import slots
 
 
 async def overview(server: Any) -> dict[str, Any]:
@@ -38,8 +38,7 @@ def agents(server: Any) -> list[dict[str, Any]]:
     out = []
     for s in server.d.sessions.values():
         proto = s.protocol
-        running = {d for job_id, given in proto.devices_in_use.items()
-                   if job_id in proto.started or proto.version < PREFETCH_SINCE for d in given}
+        running, _ = proto.device_jobs()
         devices = []
         for d in s.devices:
             usage = proto.usage.get(d.index)

@@ -82,8 +82,7 @@ class Dashboard:
         if session is None:
             if path == LIVE_PATH:
                 return _text(HTTPStatus.UNAUTHORIZED, "log in first\n")
-            return Response(HTTPStatus.SEE_OTHER.value, "See Other",
-                            Headers([("Location", "/ui/login"), ("Content-Length", "0"), *SECURITY_HEADERS]), b"")
+            return _reply(HTTPStatus.SEE_OTHER, extra=[("Location", "/ui/login")])
         if path == LIVE_PATH:
             return None if self._same_origin(request) else _text(HTTPStatus.FORBIDDEN, "cross-origin\n")
         if request.method == "POST":
@@ -106,16 +105,14 @@ class Dashboard:
             return _text(HTTPStatus.UNAUTHORIZED, "that token does not open the dashboard\n")
         log.info("ui.login", role=role)
         cookie = auth.set_cookie(self.keys.issue(role, time.time()), self.tls)
-        return Response(HTTPStatus.NO_CONTENT.value, "No Content",
-                        Headers([("Set-Cookie", cookie), ("Content-Length", "0"), *SECURITY_HEADERS]), b"")
+        return _reply(HTTPStatus.NO_CONTENT, extra=[("Set-Cookie", cookie)])
 
     async def _action(self, path: str, request: Request, session: auth.Session) -> Response:
         if not self._same_origin(request) or not self.keys.csrf_ok(session, request.headers.get("X-CSRF-Token")):
             return _text(HTTPStatus.FORBIDDEN, "missing or wrong CSRF token\n")
         if path == "/ui/logout":
-            return Response(HTTPStatus.NO_CONTENT.value, "No Content", Headers([
-                ("Set-Cookie", auth.set_cookie("", self.tls).replace(f"Max-Age={auth.SESSION_SECONDS}", "Max-Age=0")),
-                ("Content-Length", "0"), ("HX-Redirect", "/ui/login"), *SECURITY_HEADERS]), b"")
+            gone = auth.set_cookie("", self.tls).replace(f"Max-Age={auth.SESSION_SECONDS}", "Max-Age=0")
+            return _reply(HTTPStatus.NO_CONTENT, extra=[("Set-Cookie", gone), ("HX-Redirect", "/ui/login")])
         if path in ("/ui/kinds/pause", "/ui/kinds/resume"):
             if not session.admin:
                 return _text(HTTPStatus.FORBIDDEN, "a read-only session has no actions\n")
@@ -127,8 +124,7 @@ class Dashboard:
             else:
                 await queue.resume(self.server.d.pool, kind)
             log.info("ui.action", action=path.rsplit("/", 1)[1], kind=kind)
-            return Response(HTTPStatus.NO_CONTENT.value, "No Content",
-                            Headers([("Content-Length", "0"), *SECURITY_HEADERS]), b"")
+            return _reply(HTTPStatus.NO_CONTENT)
         return _text(HTTPStatus.NOT_FOUND, f"no action {path}\n")
 
     def _same_origin(self, request: Request) -> bool:
@@ -182,18 +178,22 @@ class Dashboard:
         return _templates.get_template("agents_body.html").render(agents=views.agents(self.server), oob=True)
 
 
+def _reply(status: HTTPStatus, body: bytes = b"", content_type: str | None = None,
+           extra: list[tuple[str, str]] | None = None, cache: str = "no-store") -> Response:
+    """Every /ui response: its headers, and the security headers."""
+    headers = [("Content-Type", content_type)] if content_type else []
+    headers += [("Content-Length", str(len(body))), *(extra or [])]
+    if body:
+        headers.append(("Cache-Control", cache))
+    return Response(status.value, status.phrase, Headers([*headers, *SECURITY_HEADERS]), body)
+
+
 def _html(body: str) -> Response:
-    data = body.encode()
-    return Response(HTTPStatus.OK.value, "OK", Headers([
-        ("Content-Type", "text/html; charset=utf-8"), ("Content-Length", str(len(data))),
-        ("Cache-Control", "no-store"), *SECURITY_HEADERS]), data)
+    return _reply(HTTPStatus.OK, body.encode(), "text/html; charset=utf-8")
 
 
 def _text(status: HTTPStatus, text: str) -> Response:
-    data = text.encode()
-    return Response(status.value, status.phrase, Headers([
-        ("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(data))),
-        ("Cache-Control", "no-store"), *SECURITY_HEADERS]), data)
+    return _reply(status, text.encode(), "text/plain; charset=utf-8")
 
 
 def _static(name: str) -> Response:
@@ -201,6 +201,4 @@ def _static(name: str) -> Response:
     if kind is None:
         return _text(HTTPStatus.NOT_FOUND, f"no file {name}\n")
     data = importlib.resources.files("gpuq.ui").joinpath("static", name).read_bytes()
-    return Response(HTTPStatus.OK.value, "OK", Headers([
-        ("Content-Type", f"{kind}; charset=utf-8"), ("Content-Length", str(len(data))),
-        ("Cache-Control", "public, max-age=3600"), *SECURITY_HEADERS]), data)
+    return _reply(HTTPStatus.OK, data, f"{kind}; charset=utf-8", cache="public, max-age=3600")
