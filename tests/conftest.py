@@ -83,7 +83,7 @@ async def conn(server_dsn: str) -> AsyncIterator[asyncpg.Connection]:
     tx = c.transaction()
     await tx.start()
     try:
-        await c.execute("TRUNCATE gpuq.jobs RESTART IDENTITY")  # what committed tests left
+        await c.execute("TRUNCATE gpuq.jobs, gpuq.attempts RESTART IDENTITY")  # what committed tests left
         yield c
     finally:
         await tx.rollback()

@@ -194,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--error", help="only jobs whose last error contains this text")
     r.add_argument("--since", type=_timestamp, help="only jobs that ended at or after this time (ISO 8601)")
     r.add_argument("--until", type=_timestamp, help="only jobs that ended before this time (ISO 8601)")
+    r.add_argument("--state", choices=("dead", "cancelled"), help="only dead or only cancelled jobs (default: both)")
+    r.add_argument("--key", help="only jobs with this concurrency key")
     r.add_argument("--dry-run", action="store_true", help="print how many would go, change nothing")
     config.add_flags(r, "retry")
     r.set_defaults(func=cmd_retry)
@@ -609,14 +611,15 @@ def cmd_pause_resume(args: argparse.Namespace) -> int:
 def cmd_retry(args: argparse.Namespace) -> int:
     from gpuq import queue
 
-    which = queue.RetryFilter(ids=args.ids or None, kind=args.kind, error=args.error, since=args.since, until=args.until)
+    which = queue.RetryFilter(ids=args.ids or None, kind=args.kind, error=args.error, since=args.since,
+                              until=args.until, state=args.state, key=args.key)
     which.args()  # no criterion at all is an error, before connecting
 
     n = _on_db(args, lambda conn: (queue.retry_count if args.dry_run else queue.retry)(conn, which))
     if args.dry_run:
         print(f"{n} dead or cancelled job(s) would go back to pending (dry run: nothing changed)")
         return 0
-    _admin("retry", jobs=n, ids=args.ids or None, kind=args.kind, error=args.error,
+    _admin("retry", jobs=n, ids=args.ids or None, kind=args.kind, error=args.error, state=args.state, key=args.key,
            since=args.since and args.since.isoformat(), until=args.until and args.until.isoformat())
     print(f"{n} dead or cancelled job(s) sent back to pending")
     return 0

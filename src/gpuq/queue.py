@@ -618,11 +618,16 @@ class RetryFilter:
     error: str | None = None  # a substring of last_error
     since: datetime | None = None  # finished at or after
     until: datetime | None = None  # finished before
+    state: str | None = None  # only 'dead' or only 'cancelled' (None: both)
+    key: str | None = None  # concurrency key
 
     def args(self) -> tuple[Any, ...]:
         if self == RetryFilter():
-            raise ValueError("retry needs job ids or at least one filter (kind, error text, time range)")
-        return (None if self.ids is None else list(self.ids), self.kind, self.error, self.since, self.until)
+            raise ValueError("retry needs job ids or at least one filter (kind, error text, time range, state, key)")
+        if self.state not in (None, "dead", "cancelled"):
+            raise ValueError(f"retry takes dead or cancelled jobs, not {self.state!r}")
+        return (None if self.ids is None else list(self.ids), self.kind, self.error, self.since, self.until,
+                self.state, self.key)
 
 
 async def pause(db: DB, kind: str, by: str) -> bool:
@@ -680,6 +685,77 @@ async def show(db: DB, job_id: int) -> dict[str, Any] | None:
     for key in ("payload", "result", "progress"):
         out[key] = None if out[key] is None else json.loads(out[key])
     return out
+
+
+async def attempts(db: DB, job_id: int) -> list[dict[str, Any]]:
+    """The attempts of one job that did not succeed, oldest first (the job row holds the last one)."""
+    return [dict(r) for r in await db.fetch(queries["job_attempts"], job_id)]
+
+
+# -- listing jobs (the dashboard) ----------------------------------------------
+
+LIST_STATES = ("pending", "leased", "scheduled", "done", "dead", "cancelled", "failed")  # failed: dead or cancelled
+# A page of a list that may reach into history examines at most this many ids
+# of the primary key: a filter that matches nothing costs one window, not the table.
+LIST_WINDOW = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class JobFilter:
+    """Which jobs a list shows: every given criterion must hold (None: any)."""
+
+    kind: str | None = None
+    state: str | None = None  # one of LIST_STATES
+    key: str | None = None  # concurrency key
+    error: str | None = None  # a substring of last_error
+
+    def __post_init__(self) -> None:
+        if self.state is not None and self.state not in LIST_STATES:
+            raise ValueError(f"state must be one of {', '.join(LIST_STATES)}, not {self.state!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class JobPage:
+    jobs: list[dict[str, Any]]
+    older: int | None  # the ``before`` of the next page (None: nothing older)
+    searched_to: int | None  # a bounded walk stopped at this id (None: the whole list was read)
+
+
+async def list_jobs(db: DB, which: JobFilter, before: int | None = None, limit: int = 50) -> JobPage:
+    """One page of jobs below id ``before``, newest first, keyset-paginated (never OFFSET).
+
+    Live states read their partial indexes, dead and cancelled jobs
+    ``jobs_failed_idx``, a concurrency key ``jobs_keyed_idx``; anything else
+    (done, or no state, by kind or error text) walks at most
+    ``LIST_WINDOW`` ids of the primary key per page, so no page costs more
+    than that however much history the table holds.
+    """
+    if before is None and not _indexed(which):
+        before = (await db.fetchval(queries["max_job_id"]) or 0) + 1
+    name, args = list_statement(which, before, limit)
+    jobs = [dict(r) for r in await db.fetch(queries[name], *args)]
+    if len(jobs) == limit:
+        return JobPage(jobs, jobs[-1]["id"], None)
+    floor = args[1] if name == "jobs_recent" else 0
+    return JobPage(jobs, floor or None, floor or None)  # a short page of a bounded walk: go on below it
+
+
+def list_statement(which: JobFilter, before: int | None, limit: int) -> tuple[str, tuple[Any, ...]]:
+    """The named statement and parameters of one page of ``list_jobs``."""
+    top = (2**63 - 1) if before is None else before
+    state = which.state
+    if state in ("pending", "leased", "scheduled"):
+        return "jobs_live", (state, top, which.kind, which.key, which.error, limit)
+    if state in ("dead", "cancelled", "failed"):
+        return "jobs_failed", (top, which.kind, None if state == "failed" else state, which.key, which.error, limit)
+    if which.key is not None:
+        return "jobs_keyed", (which.key, top, which.kind, state, which.error, limit)
+    return "jobs_recent", (top, max(0, top - LIST_WINDOW), which.kind, state, which.key, which.error, limit)
+
+
+def _indexed(which: JobFilter) -> bool:
+    """Does the page read an index of its own (True), or walk recent ids from the newest?"""
+    return (which.state is not None and which.state != "done") or which.key is not None
 
 
 # --------------------------------------------------------------------------

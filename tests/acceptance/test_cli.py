@@ -160,7 +160,7 @@ def test_retry_without_ids_or_filters_is_one_clear_line(dsn):
     res = gpuq("retry", env={"DATABASE_URL": dsn})
     assert res.returncode == 1
     assert res.stderr.strip() == ("gpuq: error: retry needs job ids or at least one filter "
-                                  "(kind, error text, time range)")
+                                  "(kind, error text, time range, state, key)")
     res = gpuq("retry", "--since", "yesterday", env={"DATABASE_URL": dsn})
     assert res.returncode == 2 and "not an ISO 8601 time" in res.stderr
 

@@ -414,6 +414,60 @@ SELECT id, kind, status::text AS status, priority, attempts, max_attempts, paylo
        gpus, gpu_memory_mb, labels, model, concurrency_key
 FROM gpuq.jobs WHERE id = $1;
 
+-- name: job_attempts
+-- The attempts of job $1 that did not succeed, oldest first (the running or successful one is the job row).
+SELECT attempt, agent, started_at, ended_at, became::text AS became, error
+FROM gpuq.attempts WHERE job_id = $1 ORDER BY ended_at, attempt;
+
+-- name: jobs_recent
+-- Up to $7 jobs with ids in [$2, $1), newest first, of kind $3, state $4, concurrency key $5, error text $6 (NULL: any): one bounded walk of the primary key.
+SELECT id, kind, status::text AS status, priority, attempts, max_attempts, created_at, started_at, finished_at,
+       leased_by, left(last_error, 300) AS error, concurrency_key
+FROM gpuq.jobs
+WHERE id < $1 AND id >= $2 AND ($3::text IS NULL OR kind = $3) AND ($4::text IS NULL OR status::text = $4)
+  AND ($5::text IS NULL OR concurrency_key = $5) AND ($6::text IS NULL OR strpos(last_error, $6) > 0)
+ORDER BY id DESC LIMIT $7;
+
+-- name: max_job_id
+-- The newest job id (the primary key's last entry), where a list of recent jobs starts.
+SELECT max(id) FROM gpuq.jobs;
+
+-- name: jobs_failed
+-- Up to $6 dead or cancelled jobs below id $1, newest first, of kind $2, state $3, concurrency key $4, error text $5 (NULL: any): from jobs_failed_idx.
+SELECT id, kind, status::text AS status, priority, attempts, max_attempts, created_at, started_at, finished_at,
+       leased_by, left(last_error, 300) AS error, concurrency_key
+FROM gpuq.jobs
+WHERE status IN ('dead', 'cancelled') AND id < $1 AND ($2::text IS NULL OR kind = $2)
+  AND ($3::text IS NULL OR status::text = $3) AND ($4::text IS NULL OR concurrency_key = $4)
+  AND ($5::text IS NULL OR strpos(last_error, $5) > 0)
+ORDER BY id DESC LIMIT $6;
+
+-- name: jobs_keyed
+-- Up to $6 jobs with concurrency key $1 below id $2, newest first, of kind $3, state $4, error text $5 (NULL: any): from jobs_keyed_idx.
+SELECT id, kind, status::text AS status, priority, attempts, max_attempts, created_at, started_at, finished_at,
+       leased_by, left(last_error, 300) AS error, concurrency_key
+FROM gpuq.jobs
+WHERE concurrency_key IS NOT NULL AND concurrency_key = $1 AND id < $2 AND ($3::text IS NULL OR kind = $3)
+  AND ($4::text IS NULL OR status::text = $4) AND ($5::text IS NULL OR strpos(last_error, $5) > 0)
+ORDER BY id DESC LIMIT $6;
+
+-- name: jobs_live
+-- Up to $6 jobs in live state $1 below id $2, newest first, of kind $3, concurrency key $4, error text $5 (NULL: any): each state from its partial index.
+SELECT id, kind, status::text AS status, priority, attempts, max_attempts, created_at, started_at, finished_at,
+       leased_by, left(last_error, 300) AS error, concurrency_key
+FROM (
+    SELECT * FROM gpuq.jobs WHERE $1::text = 'pending' AND status = 'pending' AND shape IS NULL
+    UNION ALL
+    SELECT * FROM gpuq.jobs WHERE $1::text = 'pending' AND status = 'pending' AND shape IS NOT NULL
+    UNION ALL
+    SELECT * FROM gpuq.jobs WHERE $1::text = 'leased' AND status = 'leased'
+    UNION ALL
+    SELECT * FROM gpuq.jobs WHERE $1::text = 'scheduled' AND status = 'scheduled'
+) AS live
+WHERE id < $2 AND ($3::text IS NULL OR kind = $3) AND ($4::text IS NULL OR concurrency_key = $4)
+  AND ($5::text IS NULL OR strpos(last_error, $5) > 0)
+ORDER BY id DESC LIMIT $6;
+
 -- name: pause_kind
 -- Stop leasing kind $1 ($2: who); returns nothing if it was paused already.
 INSERT INTO gpuq.paused_kinds (kind, paused_by) VALUES ($1, $2)
@@ -440,11 +494,12 @@ SELECT kind, timeout_seconds FROM gpuq.kind_timeouts ORDER BY kind;
 SELECT kind, paused_at, paused_by FROM gpuq.paused_kinds ORDER BY kind;
 
 -- name: retry_count
--- How many dead or cancelled jobs match ids $1 (NULL: any), kind $2, error text $3 (substring), finished in [$4, $5).
+-- How many dead or cancelled jobs match ids $1 (NULL: any), kind $2, error text $3 (substring), finished in [$4, $5), state $6, concurrency key $7 (jobs_failed_idx).
 SELECT count(*) FROM gpuq.jobs
 WHERE status IN ('dead', 'cancelled') AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
   AND ($2::text IS NULL OR kind = $2) AND ($3::text IS NULL OR strpos(last_error, $3) > 0)
-  AND ($4::timestamptz IS NULL OR finished_at >= $4) AND ($5::timestamptz IS NULL OR finished_at < $5);
+  AND ($4::timestamptz IS NULL OR finished_at >= $4) AND ($5::timestamptz IS NULL OR finished_at < $5)
+  AND ($6::text IS NULL OR status::text = $6) AND ($7::text IS NULL OR concurrency_key = $7);
 
 -- name: retry
 -- Send the dead or cancelled jobs retry_count matches back to pending with fresh attempts, and wake the dispatchers for their kinds.
@@ -455,6 +510,7 @@ WITH r AS (
     WHERE status IN ('dead', 'cancelled') AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
       AND ($2::text IS NULL OR kind = $2) AND ($3::text IS NULL OR strpos(last_error, $3) > 0)
       AND ($4::timestamptz IS NULL OR finished_at >= $4) AND ($5::timestamptz IS NULL OR finished_at < $5)
+      AND ($6::text IS NULL OR status::text = $6) AND ($7::text IS NULL OR concurrency_key = $7)
     RETURNING kind
 ), kinds AS (
     SELECT count(*) AS n, string_agg(DISTINCT kind || '!', ',') AS k FROM r
@@ -496,13 +552,15 @@ ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL AND status IN ('pending', 'l
 RETURNING id;
 
 -- name: prune_window
--- Delete done/dead/cancelled rows finished over $3 seconds ago among ids [$1, $2); says whether the window reached young rows.
+-- Delete done/dead/cancelled rows finished over $3 seconds ago among ids [$1, $2), and their attempts; says whether the window reached young rows.
 WITH w AS (
     SELECT id, status, finished_at, created_at FROM gpuq.jobs WHERE id >= $1 AND id < $2
 ), del AS (
     DELETE FROM gpuq.jobs j USING w
     WHERE j.id = w.id AND w.status IN ('done', 'dead', 'cancelled') AND w.finished_at < now() - make_interval(secs => $3)
-    RETURNING 1
+    RETURNING j.id
+), attempts_gone AS (  -- their failed attempts go with them
+    DELETE FROM gpuq.attempts a WHERE a.job_id >= $1 AND a.job_id < $2 AND a.job_id IN (SELECT id FROM del)
 )
 SELECT (SELECT count(*) FROM del) AS deleted,
        coalesce((SELECT bool_or(created_at >= now() - make_interval(secs => $3)) FROM w), false) AS reached_young,
