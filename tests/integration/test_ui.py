@@ -155,3 +155,103 @@ async def test_only_an_admin_pauses_and_resumes_a_kind_with_the_clis_functions(d
         assert status == 400 and "bad job kind" in body
         status, _, _ = await request(srv.port, "POST", "/ui/kinds/resume?kind=batch", headers)
         assert status == 204 and await queue.paused(pool) == {}
+
+
+async def _admin_headers(port: int, token: str = ADMIN) -> dict[str, str]:
+    session = {"Cookie": await login(port, token)}
+    _, _, page = await request(port, "GET", "/ui", session)
+    csrf = json.loads(page.split('hx-headers="', 1)[1].split('"', 1)[0].replace("&#34;", '"'))["X-CSRF-Token"]
+    return {**session, **origin(port), "X-CSRF-Token": csrf}
+
+
+async def _dead_jobs(pool, errors: list[str], kind: str = "train") -> list[int]:
+    from gpuq import queue
+
+    ids = await queue.enqueue_many(pool, [queue.NewJob(kind, {"i": i}, max_attempts=1) for i in range(len(errors))])
+    got = await queue.lease(pool, [kind], len(ids), "box-9#1", 30.0)
+    for j, error in zip(sorted(got.jobs, key=lambda j: j.id), errors, strict=True):
+        await queue.fail(pool, j.id, j.lease_token, error)
+    return ids
+
+
+async def test_the_jobs_list_filters_and_pages_by_keyset(dsn, pool):
+    async with running_server(dsn, **UI) as srv:
+        dead = await _dead_jobs(pool, ["CUDA out of memory", "segfault", "CUDA out of memory"])
+        await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'embed' FROM generate_series(1, 60)")
+        session = {"Cookie": await login(srv.port, READ)}
+        status, _, body = await request(srv.port, "GET", "/ui/jobs?state=dead&error=out+of+memory", session)
+        assert status == 200
+        assert [f'data-job="{i}"' in body for i in dead] == [True, False, True]
+        status, _, body = await request(srv.port, "GET", "/ui/jobs?kind=embed", session)
+        assert body.count("data-job=") == 50 and 'id="older"' in body
+        older = body.split('id="older"')[0].rsplit('href="', 1)[1].split('"')[0].replace("&amp;", "&")
+        assert "before=" in older and "kind=embed" in older
+        _, _, body = await request(srv.port, "GET", older, session)
+        assert body.count("data-job=") == 10 and 'id="older"' not in body and 'id="newest"' in body
+        for bad in ("/ui/jobs?state=running", "/ui/jobs?kind=a%20b", "/ui/jobs?before=x", "/ui/jobs?error=" + "x" * 300):
+            status, _, _ = await request(srv.port, "GET", bad, session)
+            assert status == 400, bad
+        assert 'id="retry-matching"' not in (await request(srv.port, "GET", "/ui/jobs?state=dead", session))[2]
+
+
+async def test_a_job_page_shows_payload_error_attempts_and_keys(dsn, pool):
+    from gpuq import queue
+
+    async with running_server(dsn, **UI) as srv:
+        [job_id] = await queue.enqueue_many(pool, [queue.NewJob(
+            "train", {"prompt": "</pre><script>alert(1)</script>"}, max_attempts=2, dedup_key="nightly-7")])
+        for error in ("CUDA out of memory", "segfault"):
+            [j] = (await queue.lease(pool, ["train"], 1, "box-1#a", 30.0)).jobs
+            await queue.fail(pool, j.id, j.lease_token, error)
+            await pool.execute("UPDATE gpuq.jobs SET status = 'pending' WHERE id = $1 AND status = 'scheduled'",
+                               job_id)
+        await pool.execute("UPDATE gpuq.jobs SET concurrency_key = 'tenant-3' WHERE id = $1", job_id)
+        session = {"Cookie": await login(srv.port, READ)}
+        status, _, body = await request(srv.port, "GET", f"/ui/jobs/{job_id}", session)
+        assert status == 200
+        assert "nightly-7" in body and "tenant-3" in body and "failed, retry scheduled" in body
+        assert "failed, dead" in body and body.count("box-1#a") == 2 and "segfault" in body
+        assert "<script>alert" not in body and "&lt;script&gt;alert(1)&lt;/script&gt;" in body
+        status, _, _ = await request(srv.port, "GET", "/ui/jobs/99999", session)
+        assert status == 404
+
+
+async def test_an_admin_retries_by_filter_after_seeing_the_count_and_cancels_a_job(dsn, pool):
+    from gpuq import queue
+    from tests.helpers import status_of
+
+    async with running_server(dsn, **UI) as srv:
+        dead = await _dead_jobs(pool, ["CUDA out of memory", "segfault", "CUDA out of memory"])
+        read_only, admin = await _admin_headers(srv.port, READ), await _admin_headers(srv.port)
+        preview = "/ui/jobs/retry?state=dead&error=out+of+memory"
+        assert (await request(srv.port, "GET", preview, read_only))[0] == 403
+        assert (await request(srv.port, "POST", preview, read_only))[0] == 403
+        status, _, body = await request(srv.port, "GET", preview, admin)
+        assert status == 200 and '<span id="retry-count">2</span>' in body
+        assert 'hx-post="/ui/jobs/retry?state=dead&amp;error=out+of+memory"' in body
+        status, _, body = await request(srv.port, "POST", "/ui/jobs/retry?state=dead&error=out+of+memory", admin)
+        assert status == 200 and body == "2 jobs sent back to pending"
+        assert [await status_of(pool, i) for i in dead] == ["pending", "dead", "pending"]
+        status, _, body = await request(srv.port, "POST", "/ui/jobs/retry?state=pending", admin)
+        assert status == 400 and "dead, cancelled or failed" in body
+        status, _, body = await request(srv.port, "POST", f"/ui/jobs/retry?id={dead[1]}", admin)
+        assert body == "1 job sent back to pending"
+        assert (await request(srv.port, "POST", f"/ui/jobs/cancel?id={dead[0]}", admin))[0] == 204
+        assert await status_of(pool, dead[0]) == "cancelled"
+        assert (await request(srv.port, "POST", f"/ui/jobs/cancel?id={dead[0]}", admin))[0] == 409
+        assert (await queue.show(pool, dead[0]))["last_error"] == "cancelled"
+
+
+async def test_the_job_pages_live_socket_pushes_its_state(dsn, pool):
+    async with running_server(dsn, **UI) as srv:
+        [job_id] = await _dead_jobs(pool, ["boom"])
+        cookie = await login(srv.port, READ)
+        async with connect(f"ws://127.0.0.1:{srv.port}/ui/live?page=job&id={job_id}",
+                           additional_headers={"Cookie": cookie}, origin=f"http://127.0.0.1:{srv.port}") as ws:
+            assert "dead" in await ws.recv()
+            await pool.execute("UPDATE gpuq.jobs SET status = 'pending' WHERE id = $1", job_id)
+            with anyio.fail_after(5):
+                assert '<dd class="state pending"' in await ws.recv()
+        async with connect(f"ws://127.0.0.1:{srv.port}/ui/live?page=jobs&state=pending",
+                           additional_headers={"Cookie": cookie}, origin=f"http://127.0.0.1:{srv.port}") as ws:
+            assert f'data-job="{job_id}"' in await ws.recv()

@@ -6,6 +6,7 @@ agents from the dispatcher's memory (docs/design.md, "Dashboard").
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -64,3 +65,41 @@ def _age(seconds: float | None) -> str | None:
     if seconds < 3600:
         return f"{seconds / 60:.1f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+# Payloads, results and progress are shown pretty-printed up to this many
+# characters: a page never carries a multi-megabyte blob.
+SHOWN_CHARS = 64_000
+STATES = ("", *queue.LIST_STATES)  # "" = any
+
+
+async def jobs(server: Any, which: queue.JobFilter, before: int | None) -> dict[str, Any]:
+    """One page of the job list (keyset: ``before`` is the id the page starts below)."""
+    page = await queue.list_jobs(server.d.pool, which, before)
+    return {"jobs": page.jobs, "older": page.older, "searched_to": page.searched_to, "before": before,
+            "filter": which, "retryable": which.state in ("dead", "cancelled", "failed")}
+
+
+async def job(server: Any, job_id: int) -> dict[str, Any] | None:
+    """One job as its page shows it: every column, its attempts, the one running or done last."""
+    shown = await queue.show(server.d.pool, job_id)
+    if shown is None:
+        return None
+    tried = await queue.attempts(server.d.pool, job_id)
+    if shown["status"] in ("leased", "done") and shown["started_at"] is not None:
+        tried.append({"attempt": shown["attempts"], "agent": shown["leased_by"], "started_at": shown["started_at"],
+                      "ended_at": shown["finished_at"], "error": None,
+                      "became": "running" if shown["status"] == "leased" else "done"})
+    for a in tried:
+        a["took"] = None if a["ended_at"] is None or a["started_at"] is None else _age(
+            (a["ended_at"] - a["started_at"]).total_seconds())
+    return {**shown, "attempt_rows": tried, "payload_text": pretty(shown["payload"]),
+            "result_text": pretty(shown["result"]), "progress_text": pretty(shown["progress"])}
+
+
+def pretty(value: Any) -> str | None:
+    """A JSON value as indented text, cut at SHOWN_CHARS (the page says so)."""
+    if value is None:
+        return None
+    text = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + f"\n… ({len(text) - SHOWN_CHARS} more characters)"

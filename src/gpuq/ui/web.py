@@ -20,7 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 import anyio
 import jinja2
@@ -63,8 +63,9 @@ class Dashboard:
         self.server = server
         self.keys = auth.Keys(read_tokens, admin_tokens)
         self.tls = tls
-        self._pages: dict[str, Callable[[auth.Session], Awaitable[str]]] = {
-            "/ui": self._overview_page, "/ui/agents": self._agents_page}
+        self._pages: dict[str, Callable[[auth.Session, dict[str, str]], Awaitable[Response]]] = {
+            "/ui": self._overview_page, "/ui/agents": self._agents_page, "/ui/jobs": self._jobs_page,
+            "/ui/jobs/retry": self._retry_preview}
 
     # -- HTTP ------------------------------------------------------------
 
@@ -87,10 +88,13 @@ class Dashboard:
             return None if self._same_origin(request) else _text(HTTPStatus.FORBIDDEN, "cross-origin\n")
         if request.method == "POST":
             return await self._action(path, request, session)
+        params = _params(request.path)
+        if path.startswith("/ui/jobs/") and path[len("/ui/jobs/"):].isdigit():
+            return await self._job_page(session, {**params, "id": path[len("/ui/jobs/"):]})
         page = self._pages.get(path)
         if page is None:
             return _text(HTTPStatus.NOT_FOUND, f"no page {path}\n")
-        return _html(await page(session))
+        return await page(session, params)
 
     async def _login(self, request: Request) -> Response:
         """GET: the login form. POST with ``Authorization: Bearer <token>``: a session cookie."""
@@ -113,19 +117,50 @@ class Dashboard:
         if path == "/ui/logout":
             gone = auth.set_cookie("", self.tls).replace(f"Max-Age={auth.SESSION_SECONDS}", "Max-Age=0")
             return _reply(HTTPStatus.NO_CONTENT, extra=[("Set-Cookie", gone), ("HX-Redirect", "/ui/login")])
-        if path in ("/ui/kinds/pause", "/ui/kinds/resume"):
-            if not session.admin:
-                return _text(HTTPStatus.FORBIDDEN, "a read-only session has no actions\n")
-            kind = parse_qs(urlsplit(request.path).query).get("kind", [""])[0]
-            if not is_kind(kind):
-                return _text(HTTPStatus.BAD_REQUEST, f"bad job kind {kind!r}: {KIND_RULE}\n")
-            if path.endswith("pause"):  # the CLI's functions: the two cannot disagree
-                await queue.pause(self.server.d.pool, kind, by="dashboard")
-            else:
-                await queue.resume(self.server.d.pool, kind)
-            log.info("ui.action", action=path.rsplit("/", 1)[1], kind=kind)
-            return _reply(HTTPStatus.NO_CONTENT)
-        return _text(HTTPStatus.NOT_FOUND, f"no action {path}\n")
+        action = self._actions.get(path)
+        if action is None:
+            return _text(HTTPStatus.NOT_FOUND, f"no action {path}\n")
+        if not session.admin:
+            return _text(HTTPStatus.FORBIDDEN, "a read-only session has no actions\n")
+        try:
+            return await action(_params(request.path))
+        except ValueError as exc:
+            return _text(HTTPStatus.BAD_REQUEST, f"{exc}\n")
+
+    # Actions call the CLI's own functions (gpuq.queue): the two cannot disagree.
+
+    @property
+    def _actions(self) -> dict[str, Callable[[dict[str, str]], Awaitable[Response]]]:
+        return {"/ui/kinds/pause": self._pause, "/ui/kinds/resume": self._resume,
+                "/ui/jobs/cancel": self._cancel, "/ui/jobs/retry": self._retry}
+
+    async def _pause(self, params: dict[str, str]) -> Response:
+        kind = _kind(params.get("kind", ""))
+        await queue.pause(self.server.d.pool, kind, by="dashboard")
+        log.info("ui.action", action="pause", kind=kind)
+        return _reply(HTTPStatus.NO_CONTENT)
+
+    async def _resume(self, params: dict[str, str]) -> Response:
+        kind = _kind(params.get("kind", ""))
+        await queue.resume(self.server.d.pool, kind)
+        log.info("ui.action", action="resume", kind=kind)
+        return _reply(HTTPStatus.NO_CONTENT)
+
+    async def _cancel(self, params: dict[str, str]) -> Response:
+        job_id = _job_id(params.get("id", ""))
+        cancelled = await queue.cancel(self.server.d.pool, job_id)
+        log.info("ui.action", action="cancel", job_id=job_id, cancelled=bool(cancelled))
+        if not cancelled:
+            return _text(HTTPStatus.CONFLICT, f"job {job_id} is not live (finished, or no such job)\n")
+        return _reply(HTTPStatus.NO_CONTENT)
+
+    async def _retry(self, params: dict[str, str]) -> Response:
+        """One job (``id``) or every dead or cancelled job the list's filters match."""
+        which = _retry_filter(params)
+        n = await queue.retry(self.server.d.pool, which)
+        log.info("ui.action", action="retry", jobs=n, ids=which.ids, kind=which.kind, state=which.state,
+                 key=which.key, error=which.error)
+        return _text(HTTPStatus.OK, f"{n} job{'' if n == 1 else 's'} sent back to pending")
 
     def _same_origin(self, request: Request) -> bool:
         """A browser names the page's origin on every POST and websocket: it must be this server."""
@@ -134,28 +169,60 @@ class Dashboard:
 
     # -- pages -----------------------------------------------------------
 
-    def _page(self, template: str, session: auth.Session, page: str, **values: Any) -> str:
+    def _page(self, template: str, session: auth.Session, page: str, live_params: dict[str, str] | None = None,
+              **values: Any) -> str:
         return _templates.get_template(template).render(
-            page=page, admin=session.admin, role=session.role,
+            page=page, admin=session.admin, role=session.role, live=urlencode({"page": page, **(live_params or {})}),
             headers=json.dumps({"X-CSRF-Token": self.keys.csrf(session)}), **values)
 
-    async def _overview_page(self, session: auth.Session) -> str:
-        return self._page("overview.html", session, "overview", overview=await views.overview(self.server))
+    async def _overview_page(self, session: auth.Session, params: dict[str, str]) -> Response:
+        return _html(self._page("overview.html", session, "overview", overview=await views.overview(self.server)))
 
-    async def _agents_page(self, session: auth.Session) -> str:
-        return self._page("agents.html", session, "agents", agents=views.agents(self.server))
+    async def _agents_page(self, session: auth.Session, params: dict[str, str]) -> Response:
+        return _html(self._page("agents.html", session, "agents", agents=views.agents(self.server)))
+
+    async def _jobs_page(self, session: auth.Session, params: dict[str, str]) -> Response:
+        try:
+            which, before = _job_filter(params), _before(params)
+        except ValueError as exc:
+            return _text(HTTPStatus.BAD_REQUEST, f"{exc}\n")
+        query = _filter_query(which)
+        return _html(self._page("jobs.html", session, "jobs", live_params={**_filter_params(which),
+                                **({} if before is None else {"before": str(before)})},
+                                view=await views.jobs(self.server, which, before), query=query, states=views.STATES,
+                                window=queue.LIST_WINDOW))
+
+    async def _job_page(self, session: auth.Session, params: dict[str, str]) -> Response:
+        job_id = int(params["id"])
+        job = await views.job(self.server, job_id)
+        if job is None:
+            return _text(HTTPStatus.NOT_FOUND, f"no job {job_id}\n")
+        return _html(self._page("job.html", session, "job", live_params={"id": str(job_id)}, job=job,
+                                outcomes=OUTCOMES))
+
+    async def _retry_preview(self, session: auth.Session, params: dict[str, str]) -> Response:
+        """How many jobs a retry by these filters would send back, and the button that does it."""
+        if not session.admin:
+            return _text(HTTPStatus.FORBIDDEN, "a read-only session has no actions\n")
+        try:
+            which = _retry_filter(params)
+            n = await queue.retry_count(self.server.d.pool, which)
+        except ValueError as exc:
+            return _text(HTTPStatus.BAD_REQUEST, f"{exc}\n")
+        return _html(_templates.get_template("retry_confirm.html").render(n=n, query=_filter_query(which)))
 
     # -- live updates ----------------------------------------------------
 
     async def live(self, ws: ServerConnection) -> None:
         """Push the page's fragments (``?page=overview|agents``) whenever they change."""
         request = ws.request
-        page = parse_qs(urlsplit(request.path if request else "").query).get("page", ["overview"])[0]
+        params = _params(request.path if request else "")
         session = self.keys.session(auth.cookie_value(request.headers.get("Cookie") if request else None), time.time())
         admin = session is not None and session.admin
-        render = {"overview": lambda: self._overview_fragment(admin), "agents": self._agents_fragment}.get(page)
-        if render is None:
-            await ws.close(1008, "unknown page")
+        try:
+            render = self._fragment(params.get("page", "overview"), params, admin)
+        except ValueError as exc:
+            await ws.close(1008, str(exc)[:100])
             return
         last = None
         try:
@@ -170,12 +237,95 @@ class Dashboard:
         except ConnectionClosed:
             pass
 
-    async def _overview_fragment(self, admin: bool) -> str:
-        return _templates.get_template("overview_body.html").render(
-            overview=await views.overview(self.server), oob=True, admin=admin)
+    def _fragment(self, page: str, params: dict[str, str], admin: bool) -> Callable[[], Awaitable[str]]:
+        """What the live socket of ``page`` sends: a function rendering the page's changing part."""
+        def render(template: str, **values: Any) -> str:
+            return _templates.get_template(template).render(oob=True, admin=admin, **values)
 
-    async def _agents_fragment(self) -> str:
-        return _templates.get_template("agents_body.html").render(agents=views.agents(self.server), oob=True)
+        async def overview() -> str:
+            return render("overview_body.html", overview=await views.overview(self.server))
+
+        async def agents() -> str:
+            return render("agents_body.html", agents=views.agents(self.server))
+
+        async def jobs() -> str:
+            return render("jobs_body.html", view=await views.jobs(self.server, which, before),
+                          query=_filter_query(which), window=queue.LIST_WINDOW)
+
+        async def job() -> str:
+            return render("job_body.html", job=await views.job(self.server, job_id), outcomes=OUTCOMES)
+
+        if page == "jobs":
+            which, before = _job_filter(params), _before(params)
+        elif page == "job":
+            job_id = _job_id(params.get("id", ""))
+        elif page not in ("overview", "agents"):
+            raise ValueError(f"unknown page {page!r}")
+        return {"overview": overview, "agents": agents, "jobs": jobs, "job": job}[page]
+
+
+# What an attempt's job became, as the job page says it.
+OUTCOMES = {"scheduled": "failed, retry scheduled", "pending": "lost (agent left or lease expired), back to pending",
+            "leased": "lease expired, leased again", "dead": "failed, dead", "cancelled": "cancelled",
+            "running": "running", "done": "done"}
+
+
+def _params(path: str) -> dict[str, str]:
+    """The query string's parameters (the last of a repeated one)."""
+    return {k: v[-1] for k, v in parse_qs(urlsplit(path).query).items()}
+
+
+def _kind(kind: str) -> str:
+    if not is_kind(kind):
+        raise ValueError(f"bad job kind {kind!r}: {KIND_RULE}")
+    return kind
+
+
+def _job_id(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 2**63:
+        raise ValueError(f"bad job id {text[:30]!r}: a whole number")
+    return int(text)
+
+
+def _text_filter(params: dict[str, str], name: str) -> str | None:
+    value = params.get(name, "").strip()
+    if len(value) > 200:
+        raise ValueError(f"{name} filter too long: at most 200 characters")
+    return value or None
+
+
+def _job_filter(params: dict[str, str]) -> queue.JobFilter:
+    kind = _text_filter(params, "kind")
+    return queue.JobFilter(kind=None if kind is None else _kind(kind), state=params.get("state") or None,
+                           key=_text_filter(params, "key"), error=_text_filter(params, "error"))
+
+
+def _before(params: dict[str, str]) -> int | None:
+    return _job_id(params["before"]) if params.get("before") else None
+
+
+def _retry_filter(params: dict[str, str]) -> queue.RetryFilter:
+    """One job (``id``), or the dead/cancelled jobs a list's filters match."""
+    if params.get("id"):
+        return queue.RetryFilter(ids=[_job_id(params["id"])])
+    which = _job_filter(params)
+    if which.state not in ("dead", "cancelled", "failed"):
+        raise ValueError("retry by filter needs the state dead, cancelled or failed")
+    state = None if which.state == "failed" else which.state
+    retry = queue.RetryFilter(kind=which.kind, error=which.error, state=state, key=which.key)
+    retry.args()
+    return retry
+
+
+def _filter_params(which: queue.JobFilter) -> dict[str, str]:
+    return {k: v for k, v in (("kind", which.kind), ("state", which.state), ("key", which.key),
+                              ("error", which.error)) if v}
+
+
+def _filter_query(which: queue.JobFilter | queue.RetryFilter) -> str:
+    if isinstance(which, queue.RetryFilter):
+        which = queue.JobFilter(kind=which.kind, state=which.state or "failed", key=which.key, error=which.error)
+    return urlencode(_filter_params(which))
 
 
 def _reply(status: HTTPStatus, body: bytes = b"", content_type: str | None = None,
