@@ -16,6 +16,7 @@ import anyio
 import asyncpg
 
 from gpuq import db, logs, metrics, queue
+from gpuq.latency import JobLatency
 from gpuq.loops import run_every
 from gpuq.protocol import Done, Failed
 from gpuq.queue import Backoff
@@ -34,10 +35,12 @@ class Session(Protocol):
 class Completer:
     """Batches agents' outcomes into few statements; acks each agent after commit."""
 
-    def __init__(self, pool: Any, backoff: Backoff, on_written: Callable[[], None] | None = None):
+    def __init__(self, pool: Any, backoff: Backoff, on_written: Callable[[], None] | None = None,
+                 latency: JobLatency | None = None):
         self.pool = pool
         self.backoff = backoff
         self.on_written = on_written  # after each commit of outcomes (limits may have room again)
+        self.latency = latency  # told which jobs ended (completion latency)
         # Outcomes waiting for the database (add them with submit(), release()).
         self.done: list[tuple[Session, Done, str]] = []
         self.failed: list[tuple[Session, Failed, str]] = []
@@ -118,6 +121,8 @@ class Completer:
         del self.done[:len(done)], self.failed[:len(failed)], self.orphans[:len(orphans)]
         if self.on_written is not None:
             self.on_written()
+        if self.latency is not None:
+            self.latency.finished(accepted, outcomes)
         acks: dict[Session, tuple[list[int], list[int]]] = {}
         done_kinds: Counter[str | None] = Counter()
         for session, m, kind in done:

@@ -131,6 +131,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ui_admin_tokens", "GPUQ_UI_ADMIN_TOKENS", frozenset(), parse_tokens,
             "comma-separated tokens that open the dashboard as admin, with its actions",
             {SERVE: "--ui-admin-tokens"}, shown="none (no admin login)"),
+    Setting("ui_sample_seconds", "GPUQ_UI_SAMPLE_SECONDS", 10.0, parse_duration,
+            "how often the dashboard samples rates, queue depth and latency for its last-hour charts",
+            {SERVE: "--ui-sample-seconds"}),
     Setting("lease_seconds", "GPUQ_LEASE_SECONDS", 60.0, parse_duration,
             "lease length; a silent agent's jobs return after it", {SERVE: "--lease-seconds"}),
     Setting("heartbeat_seconds", "GPUQ_HEARTBEAT_SECONDS", 15.0, parse_duration,
@@ -253,6 +256,7 @@ class ServerConfig:
     tokens: frozenset[str] = default("tokens")
     ui_tokens: frozenset[str] = default("ui_tokens")
     ui_admin_tokens: frozenset[str] = default("ui_admin_tokens")
+    ui_sample_seconds: float = default("ui_sample_seconds")
     lease_seconds: float = default("lease_seconds")
     heartbeat_seconds: float = default("heartbeat_seconds")
     poll_seconds: float = default("poll_seconds")

@@ -40,6 +40,7 @@ import anyio
 from gpuq import db, logs, metrics, placement, queue
 from gpuq.completer import Completer
 from gpuq.config import ServerConfig
+from gpuq.latency import JobLatency
 from gpuq.loops import RetryBackoff, run_every
 from gpuq.progress import ProgressWriter
 from gpuq.protocol import Device, Done, Failed, ProgressUpdate
@@ -140,7 +141,9 @@ class Dispatcher:
         self.pool = pool
         self.config = config
         self.sessions: dict[str, AgentSession] = {}
-        self.completer = Completer(pool, backoff or Backoff(), on_written=self._outcomes_written)
+        self.latency = JobLatency()
+        self.completer = Completer(pool, backoff or Backoff(), on_written=self._outcomes_written,
+                                   latency=self.latency)
         self.progress = ProgressWriter(pool)
         self.listening = False
         self.stopping = False
@@ -693,6 +696,7 @@ class Dispatcher:
         for kind, n in Counter(j.kind for j in jobs).items():
             metrics.JOBS_LEASED.labels(kind=kind).inc(n)
         metrics.LEASE_BATCH.observe(len(jobs))
+        self.latency.leased(jobs)
         debug = logs.debug_enabled()
         for sid, batch in by_session.items():
             session = self.sessions.get(sid)

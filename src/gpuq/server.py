@@ -48,7 +48,7 @@ class AgentServer:
     def __init__(self, dispatcher: Dispatcher, config: ServerConfig, tls: bool = False):
         self.d = dispatcher
         self.config = config
-        self.ui = Dashboard(self, config.ui_tokens, config.ui_admin_tokens, tls)
+        self.ui = Dashboard(self, config.ui_tokens, config.ui_admin_tokens, tls, config.ui_sample_seconds)
         self._per_ip: dict[str, int] = {}
         self._connections = 0
 
@@ -350,6 +350,8 @@ async def serve(
         async with anyio.create_task_group() as tg:
             tg.start_soon(dispatcher.run)
             tg.start_soon(maintainer.run)
+            if front.ui.keys.enabled:
+                tg.start_soon(front.ui.sample_forever)
             async with websockets.serve(
                 front.handle, config.listen[0], config.listen[1], process_request=front.process_request,
                 max_size=config.max_payload, ssl=tls, compression=None, logger=_quiet_logger(),

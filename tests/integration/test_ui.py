@@ -255,3 +255,28 @@ async def test_the_job_pages_live_socket_pushes_its_state(dsn, pool):
         async with connect(f"ws://127.0.0.1:{srv.port}/ui/live?page=jobs&state=pending",
                            additional_headers={"Cookie": cookie}, origin=f"http://127.0.0.1:{srv.port}") as ws:
             assert f'data-job="{job_id}"' in await ws.recv()
+
+
+async def test_the_overview_charts_the_last_hour_from_the_servers_own_samples(dsn, pool):
+    async with running_server(dsn, ui_sample_seconds=0.2, **UI) as srv:
+        await srv.agent(["chart"], 4, _quick, "box-1")
+        await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'chart' FROM generate_series(1, 40)")
+        session = {"Cookie": await login(srv.port, READ)}
+
+        async def charted() -> bool:
+            _, _, body = await request(srv.port, "GET", "/ui", session)
+            samples = int(body.split('data-samples="', 1)[1].split('"', 1)[0])
+            lease_points = body.split('<polyline class="lease" points="', 1)[1].split('"', 1)[0]
+            return samples >= 3 and bool(lease_points.strip())  # some interval leased jobs
+
+        with anyio.fail_after(10):
+            while not await charted():
+                await anyio.sleep(0.1)
+        _, _, body = await request(srv.port, "GET", "/ui", session)
+        done_points = body.split('<polyline class="done" points="', 1)[1].split('"', 1)[0].split()
+        assert len(done_points) >= 3 and any(float(p.split(",")[1]) < 60 for p in done_points)  # above zero once
+        assert "one sample every 0.2 s" in body
+
+
+async def _quick(job):
+    return {"ok": True}

@@ -29,9 +29,11 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from gpuq import logs, queue
+from gpuq import db, logs, queue
 from gpuq.kinds import KIND_RULE, is_kind
+from gpuq.loops import run_every
 from gpuq.ui import auth, views
+from gpuq.ui.trend import Trend
 
 log = logs.get("ui")
 
@@ -56,16 +58,35 @@ _templates = jinja2.Environment(loader=jinja2.PackageLoader("gpuq.ui", "template
                                 undefined=jinja2.StrictUndefined)
 
 
+def _ms(value: float | None) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.1f} ms" if value < 1000 else f"{value / 1000:.2f} s"
+
+
+_templates.globals["ms"] = _ms
+
+
 class Dashboard:
     """/ui for one ``AgentServer`` (what it reads: ``d``, the dispatcher, and ``slots_status()``)."""
 
-    def __init__(self, server: Any, read_tokens: frozenset[str], admin_tokens: frozenset[str], tls: bool):
+    def __init__(self, server: Any, read_tokens: frozenset[str], admin_tokens: frozenset[str], tls: bool,
+                 sample_seconds: float = 10.0):
         self.server = server
         self.keys = auth.Keys(read_tokens, admin_tokens)
         self.tls = tls
+        self.trend = Trend(server.d.latency, sample_seconds)
         self._pages: dict[str, Callable[[auth.Session, dict[str, str]], Awaitable[Response]]] = {
             "/ui": self._overview_page, "/ui/agents": self._agents_page, "/ui/jobs": self._jobs_page,
             "/ui/jobs/retry": self._retry_preview}
+
+    async def sample_forever(self) -> None:
+        """Take the overview's samples (``trend``) until cancelled; a database outage is retried."""
+        async def sample() -> None:
+            self.trend.take(await queue.status_counts(self.server.d.pool))
+
+        await run_every(self.trend.sample_seconds, sample, errors=db.RETRYABLE_ERRORS,
+                        on_error=lambda exc, delay: log.warning("ui.sample_failed", error=str(exc), retry_in=delay))
 
     # -- HTTP ------------------------------------------------------------
 
@@ -176,7 +197,8 @@ class Dashboard:
             headers=json.dumps({"X-CSRF-Token": self.keys.csrf(session)}), **values)
 
     async def _overview_page(self, session: auth.Session, params: dict[str, str]) -> Response:
-        return _html(self._page("overview.html", session, "overview", overview=await views.overview(self.server)))
+        return _html(self._page("overview.html", session, "overview", overview=await views.overview(self.server),
+                                charts=self.trend.charts()))
 
     async def _agents_page(self, session: auth.Session, params: dict[str, str]) -> Response:
         return _html(self._page("agents.html", session, "agents", agents=views.agents(self.server)))
@@ -243,7 +265,7 @@ class Dashboard:
             return _templates.get_template(template).render(oob=True, admin=admin, **values)
 
         async def overview() -> str:
-            return render("overview_body.html", overview=await views.overview(self.server))
+            return render("overview_body.html", overview=await views.overview(self.server), charts=self.trend.charts())
 
         async def agents() -> str:
             return render("agents_body.html", agents=views.agents(self.server))
