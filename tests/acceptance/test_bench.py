@@ -132,3 +132,12 @@ def test_busy_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert got["duplicate_starts"] == 0
     assert 0 < got["busy_fraction_async"] <= 1 and 0 < got["busy_fraction_sync"] <= 1
     assert 0 < got["busy_fraction_reported_async"] <= 1
+
+
+def test_throughput_with_a_dashboard_open_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("psutil")
+    got = run_bench(capsys, server_dsn, "throughput", "--jobs", "500", "--agents", "1", "--capacity", "16",
+                    "--no-raw", "--dashboard")
+    assert {"gpuq_jobs_per_s", "dashboard_jobs_per_s", "dashboard_ratio", "dashboard_serve_cpu_s",
+            "dashboard_pages", "dashboard_fragments"} <= got.keys()
+    assert got["dashboard_pages"] >= 4 and got["dashboard_fragments"] >= 1  # it did watch

@@ -73,13 +73,22 @@ async def test_an_agent_connecting_shows_up_without_a_reload(chrome, dsn):
 
 async def test_jobs_enqueued_then_completed_move_through_the_overview(chrome, dsn, pool):
     pending = "tr[data-kind='render'] td[data-col='pending']"
-    async with running_server(dsn, **UI) as srv:
+
+    async def render(job):
+        await anyio.sleep(0.02)
+
+    async with running_server(dsn, ui_sample_seconds=0.25, **UI) as srv:
         await browse(log_in, chrome, srv.http, READ)
-        await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'render' FROM generate_series(1, 25)")
-        await browse(until, chrome, lambda d: [e.text for e in d.find_elements(By.CSS_SELECTOR, pending)] == ["25"])
+        await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'render' FROM generate_series(1, 400)")
+        await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'embed' FROM generate_series(1, 30)")
+        await browse(until, chrome, lambda d: [e.text for e in d.find_elements(By.CSS_SELECTOR, pending)] == ["400"])
         await browse(screenshot, chrome, "overview-backlog")
-        await srv.agent(["render"], 4, _noop, "renderer")
-        await browse(until, chrome, lambda d: "no live jobs" in d.find_element(By.ID, "kinds").text, 15)
+        await srv.agent(["render"], 8, render, "renderer")
+        await browse(until, chrome, lambda d: "render" not in d.find_element(By.ID, "kinds").text, 20)
+        await anyio.sleep(1)  # a few idle samples after the drain
+        charted = await browse(lambda: chrome.find_element(By.ID, "charts").text)
+        assert "queue depth" in charted and "pending 30" in charted  # the embed jobs still wait
+        await browse(screenshot, chrome, "overview")
 
 
 async def test_pause_a_kind_and_see_nothing_of_it_leased_then_resume(chrome, dsn, pool):
@@ -96,3 +105,68 @@ async def test_pause_a_kind_and_see_nothing_of_it_leased_then_resume(chrome, dsn
         await browse(screenshot, chrome, "overview-paused")
         await browse(until, chrome, lambda d: click(d, f"{row} button.action"))
         await browse(until, chrome, lambda d: "no live jobs" in d.find_element(By.ID, "kinds").text, 15)
+
+
+async def test_open_a_failed_job_see_why_and_retry_it(chrome, dsn, pool):
+    from gpuq import queue
+
+    tries: list[int] = []
+
+    async def flaky(job):  # out of memory the first time only
+        tries.append(job.id)
+        if len(tries) == 1:
+            raise RuntimeError("CUDA out of memory: tried to allocate 20.00 GiB")
+        return {"loss": 0.25}
+
+    async with running_server(dsn, **UI) as srv:
+        [job_id] = await queue.enqueue_many(pool, [queue.NewJob("finetune", {"model": "llama-8b", "lr": 3e-4},
+                                                                max_attempts=1, dedup_key="ft-42")])
+        await srv.agent(["finetune"], 1, flaky, "gpu-box-3")
+        await browse(log_in, chrome, srv.http, ADMIN)
+        await browse(chrome.get, f"{srv.http}/ui/jobs?state=dead")
+        link = f"tr[data-job='{job_id}'] a"
+        await browse(until, chrome, lambda d: d.find_elements(By.CSS_SELECTOR, link), 15)  # died, then listed live
+        await browse(screenshot, chrome, "jobs-dead")
+        await browse(until, chrome, lambda d: click(d, link))
+        text = await browse(until, chrome, lambda d: d.find_element(By.ID, "job-error").text)
+        assert "CUDA out of memory" in text
+        attempts = await browse(lambda: chrome.find_element(By.ID, "attempts").text)
+        assert "gpu-box-3#" in attempts and "failed, dead" in attempts
+        assert "ft-42" in await browse(lambda: chrome.find_element(By.ID, "job").text)
+        await browse(screenshot, chrome, "job-failed")
+        await browse(until, chrome, lambda d: click(d, "#retry"))
+        await browse(until, chrome, lambda d: d.find_element(By.ID, "job-state").text.startswith("done"), 15)
+        attempts = await browse(lambda: chrome.find_element(By.ID, "attempts").text)
+        assert "failed, dead" in attempts and "done" in attempts  # the failed attempt stays on the page
+        assert "0.25" in await browse(lambda: chrome.find_element(By.ID, "job-result").text)
+        await browse(screenshot, chrome, "job-retried")
+        assert tries == [job_id, job_id]
+
+
+HOSTILE = ["<script>window.pwned = 1</script>", "\"><img src=x onerror=\"window.pwned = 2\">",
+           "'><svg onload=window.pwned=3>"]
+
+
+async def test_hostile_payloads_and_errors_show_as_text(chrome, dsn, pool):
+    from gpuq import queue
+
+    async with running_server(dsn, **UI) as srv:
+        ids = await queue.enqueue_many(pool, [queue.NewJob("ingest", {"text": h, h: "key"}, max_attempts=1)
+                                              for h in HOSTILE])
+        got = await queue.lease(pool, ["ingest"], 3, "box#1", 30.0)
+        for j, h in zip(sorted(got.jobs, key=lambda j: j.id), HOSTILE, strict=True):
+            await queue.fail(pool, j.id, j.lease_token, f"parse error near {h}")
+        await browse(log_in, chrome, srv.http, READ)
+        pages = {"/ui/jobs?kind=ingest": HOSTILE, **{f"/ui/jobs/{i}": [h] for i, h in zip(ids, HOSTILE, strict=True)}}
+        for page, hostile in pages.items():
+            await browse(chrome.get, srv.http + page)
+            await anyio.sleep(1.2)  # a live update has come too
+            shown = await browse(lambda: chrome.find_element(By.TAG_NAME, "main").text)
+            for h in hostile:
+                assert f"parse error near {h}" in shown, (page, h)  # the exact text, not markup
+                if page.startswith("/ui/jobs/"):
+                    payload = await browse(lambda: chrome.find_element(By.ID, "job-payload").text)
+                    assert payload.count(h.replace('"', '\\"')) == 2  # as a value and as a key, JSON-quoted
+            assert await browse(chrome.execute_script, "return window.pwned === undefined") is True
+            assert await browse(lambda: chrome.find_elements(By.CSS_SELECTOR, "main img, main svg:not([role])")) == []
+        await browse(screenshot, chrome, "job-hostile")

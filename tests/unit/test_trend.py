@@ -39,7 +39,8 @@ def test_a_sample_holds_the_rates_since_the_last_and_the_depth_now():
     s = trend.take(_counts(0, 0))
     assert (s.done_per_s, s.lease_p50_ms, s.completion_p50_ms) == (0.0, None, None)  # each take starts afresh
     charts = trend.charts()
-    assert charts["samples"] == 2 and charts["latest"] == s and charts["depth"]["top"] == 7
+    assert charts["samples"] == 2 and charts["depth"]["top"] == 7 and charts["span_seconds"] == 10
+    assert charts["last"]["pending"] == 0 and charts["last"]["lease_p50"] == 60  # the last sample that had one
 
 
 def test_the_ring_holds_one_hour():

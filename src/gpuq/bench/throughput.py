@@ -18,6 +18,11 @@ too, for ``fraction_of_raw``.
 held open on another connection from before the first insert (issue #14), and
 reports its jobs/s against the plain run and, for both, the jobs/s of the last
 20 % of the jobs against the first 20 % (``tail_ratio``).
+
+``--dashboard`` runs gpuq a second time with one dashboard client logged in
+(``gpuq.bench.dashboard``: the overview's live socket open, four pages
+reloaded every 2 s) and reports its jobs/s against the plain run
+(``dashboard_ratio``, issue #18).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import anyio
 
 from gpuq import queue
 from gpuq.bench import common, peer_pgqueuer, raw
+from gpuq.bench import dashboard as bench_dashboard
 from gpuq.bench.measure import CpuMeter, postmaster_pid
 from gpuq.db import connect
 from gpuq.harness import KIND, Fleet
@@ -56,13 +62,15 @@ def register(sub: Any) -> None:
         p.add_argument("--pgq-processes", type=common.positive_int, default=1,
                        help="pgqueuer consumer processes (default 1)")
         p.add_argument("--no-raw", action="store_true", help="skip the raw ceiling run")
+        p.add_argument("--dashboard", action="store_true",
+                       help="also run gpuq with one dashboard client open (live overview, pages reloaded every 2 s)")
         p.add_argument("--old-snapshot", action="store_true",
                        help="also run gpuq with a REPEATABLE READ snapshot held open throughout")
 
     async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
         return await run(t.dsn, a.jobs, a.agents, a.capacity, a.mode, a.compare,
                          pgq=dict(batch_size=a.pgq_batch, workers=a.pgq_workers, processes=a.pgq_processes),
-                         with_raw=not a.no_raw, old_snapshot=a.old_snapshot)
+                         with_raw=not a.no_raw, old_snapshot=a.old_snapshot, dashboard=a.dashboard)
 
     common.declare(sub, "throughput", "end-to-end jobs/s through serve + agent processes (optionally vs pgqueuer)",
             __doc__, args, body, report)
@@ -70,7 +78,7 @@ def register(sub: Any) -> None:
 
 async def run(dsn: str, jobs: int, agents: int, capacity: int, mode: str = "bulk",
               compare: str | None = None, pgq: dict[str, Any] | None = None,
-              with_raw: bool = True, old_snapshot: bool = False) -> dict[str, Any]:
+              with_raw: bool = True, old_snapshot: bool = False, dashboard: bool = False) -> dict[str, Any]:
     chunk = CHUNKS[mode]
     gpuq = await run_gpuq(dsn, jobs, agents, capacity, chunk)
     result: dict[str, Any] = {
@@ -86,6 +94,14 @@ async def run(dsn: str, jobs: int, agents: int, capacity: int, mode: str = "bulk
         result.update({"snapshot_jobs_per_s": held["jobs_per_s"], "snapshot_tail_ratio": held["tail_ratio"],
                        "snapshot_ratio": round(held["jobs_per_s"] / gpuq["jobs_per_s"], 3),
                        "snapshot_postgres_cpu_s": held["postgres_cpu_s"]})
+    if dashboard:
+        common.progress(f"gpuq again, {jobs:,} jobs, with a dashboard client open")
+        watched = await run_gpuq(dsn, jobs, agents, capacity, chunk, dashboard=True)
+        result.update({"dashboard_jobs_per_s": watched["jobs_per_s"],
+                       "dashboard_ratio": round(watched["jobs_per_s"] / gpuq["jobs_per_s"], 3),
+                       "dashboard_serve_cpu_s": watched["serve_cpu_s"],
+                       "dashboard_fragments": watched["dashboard"]["fragments"],
+                       "dashboard_pages": watched["dashboard"]["pages"]})
     if with_raw:
         common.progress(f"raw ceiling: {jobs:,} jobs, batch {capacity}, 2 workers")
         r = await raw.run(dsn, jobs, capacity, 2)
@@ -107,19 +123,25 @@ async def run(dsn: str, jobs: int, agents: int, capacity: int, mode: str = "bulk
 
 
 async def run_gpuq(dsn: str, jobs: int, agents: int, capacity: int, chunk: int,
-                   hold_snapshot: bool = False, handler: str = "gpuq.demo:noop") -> dict[str, Any]:
+                   hold_snapshot: bool = False, handler: str = "gpuq.demo:noop",
+                   dashboard: bool = False) -> dict[str, Any]:
+    seen: dict[str, int] = {}
     async with common.fleet_on(dsn) as (fleet, conn, settings), _snapshot(dsn, hold_snapshot):
         pg_pid = await postmaster_pid(conn)
         common.progress(f"starting gpuq serve on 127.0.0.1:{fleet.port} and {agents} agents "
                  f"(capacity {capacity}); logs in {fleet.logdir}")
-        await anyio.to_thread.run_sync(fleet.start_serve)
+        flags = bench_dashboard.serve_flags() if dashboard else {}
+        await anyio.to_thread.run_sync(lambda: fleet.start_serve(**flags))
         await anyio.to_thread.run_sync(fleet.start_agents, agents, capacity, handler)
-        cpu = CpuMeter({**fleet.pids(), "postgres": [pg_pid] if pg_pid else []})
-        cpu.start()
-        common.progress(f"inserting {jobs:,} jobs, {chunk:,} per statement")
-        await insert(conn, jobs, chunk)
-        await drained(conn, fleet, timeout=900)
-        used = cpu.stop()
+        async with contextlib.AsyncExitStack() as stack:
+            if dashboard:
+                seen = await stack.enter_async_context(bench_dashboard.dashboard_open(fleet.port))
+            cpu = CpuMeter({**fleet.pids(), "postgres": [pg_pid] if pg_pid else []})
+            cpu.start()
+            common.progress(f"inserting {jobs:,} jobs, {chunk:,} per statement")
+            await insert(conn, jobs, chunk)
+            await drained(conn, fleet, timeout=900)
+            used = cpu.stop()
         row = await conn.fetchrow(common.queries["end_to_end"])
         first, last = await conn.fetchrow(common.queries["tail_rates"])
     if row["done"] != jobs:
@@ -127,7 +149,7 @@ async def run_gpuq(dsn: str, jobs: int, agents: int, capacity: int, chunk: int,
     seconds = float(row["seconds"])
     return {"seconds": round(seconds, 3), "jobs_per_s": round(jobs / seconds, 1),
             "serve_cpu_s": used["serve"], "agents_cpu_s": used["agents"], "postgres_cpu_s": used["postgres"],
-            "agents_used": row["agents_used"], "settings": settings, "pg_pid": pg_pid,
+            "agents_used": row["agents_used"], "settings": settings, "pg_pid": pg_pid, "dashboard": dict(seen),
             "tail_ratio": round(float(last) / float(first), 3) if first and last else None}
 
 
@@ -170,6 +192,9 @@ def report(r: dict[str, Any]) -> None:
     if "pgqueuer_jobs_per_s" in r:
         rows.append([f"pgqueuer {r['pgqueuer_version']} {r['pgqueuer_settings']}", r["pgqueuer_jobs_per_s"],
                      r["pgqueuer_seconds"], f"consumers {r['pgqueuer_cpu_s']}", r["pgqueuer_postgres_cpu_s"]])
+    if "dashboard_jobs_per_s" in r:
+        rows.insert(1, ["gpuq, a dashboard open", r["dashboard_jobs_per_s"], "",
+                        f"serve {r['dashboard_serve_cpu_s']}", ""])
     if "raw_jobs_per_s" in r:
         rows.append(["raw lease+complete SQL", r["raw_jobs_per_s"], "", "", ""])
     common.print_table(["system", "jobs/s", "end-to-end s", "client CPU s", "postgres CPU s"], rows,
@@ -179,7 +204,10 @@ def report(r: dict[str, Any]) -> None:
                        ("tail_ratio", "last 20 % / first 20 % of the jobs"),
                        ("snapshot_jobs_per_s", "with an old snapshot held, jobs/s"),
                        ("snapshot_ratio", "with an old snapshot / without"),
-                       ("snapshot_tail_ratio", "with an old snapshot, last 20 % / first 20 %")):
+                       ("snapshot_tail_ratio", "with an old snapshot, last 20 % / first 20 %"),
+                       ("dashboard_ratio", "with a dashboard open / without"),
+                       ("dashboard_pages", "dashboard pages loaded meanwhile"),
+                       ("dashboard_fragments", "dashboard live fragments received meanwhile")):
         if key in r:
             print(f"{label}: {r[key]}")
 

@@ -422,7 +422,7 @@ FROM gpuq.attempts WHERE job_id = $1 ORDER BY ended_at, attempt;
 -- name: jobs_recent
 -- Up to $7 jobs with ids in [$2, $1), newest first, of kind $3, state $4, concurrency key $5, error text $6 (NULL: any): one bounded walk of the primary key.
 SELECT id, kind, status::text AS status, priority, attempts, max_attempts, created_at, started_at, finished_at,
-       leased_by, left(last_error, 300) AS error, concurrency_key
+       leased_by, right(last_error, 300) AS error, concurrency_key
 FROM gpuq.jobs
 WHERE id < $1 AND id >= $2 AND ($3::text IS NULL OR kind = $3) AND ($4::text IS NULL OR status::text = $4)
   AND ($5::text IS NULL OR concurrency_key = $5) AND ($6::text IS NULL OR strpos(last_error, $6) > 0)
@@ -435,7 +435,7 @@ SELECT max(id) FROM gpuq.jobs;
 -- name: jobs_failed
 -- Up to $6 dead or cancelled jobs below id $1, newest first, of kind $2, state $3, concurrency key $4, error text $5 (NULL: any): from jobs_failed_idx.
 SELECT id, kind, status::text AS status, priority, attempts, max_attempts, created_at, started_at, finished_at,
-       leased_by, left(last_error, 300) AS error, concurrency_key
+       leased_by, right(last_error, 300) AS error, concurrency_key
 FROM gpuq.jobs
 WHERE status IN ('dead', 'cancelled') AND id < $1 AND ($2::text IS NULL OR kind = $2)
   AND ($3::text IS NULL OR status::text = $3) AND ($4::text IS NULL OR concurrency_key = $4)
@@ -445,7 +445,7 @@ ORDER BY id DESC LIMIT $6;
 -- name: jobs_keyed
 -- Up to $6 jobs with concurrency key $1 below id $2, newest first, of kind $3, state $4, error text $5 (NULL: any): from jobs_keyed_idx.
 SELECT id, kind, status::text AS status, priority, attempts, max_attempts, created_at, started_at, finished_at,
-       leased_by, left(last_error, 300) AS error, concurrency_key
+       leased_by, right(last_error, 300) AS error, concurrency_key
 FROM gpuq.jobs
 WHERE concurrency_key IS NOT NULL AND concurrency_key = $1 AND id < $2 AND ($3::text IS NULL OR kind = $3)
   AND ($4::text IS NULL OR status::text = $4) AND ($5::text IS NULL OR strpos(last_error, $5) > 0)
@@ -454,7 +454,7 @@ ORDER BY id DESC LIMIT $6;
 -- name: jobs_live
 -- Up to $6 jobs in live state $1 below id $2, newest first, of kind $3, concurrency key $4, error text $5 (NULL: any): each state from its partial index.
 SELECT id, kind, status::text AS status, priority, attempts, max_attempts, created_at, started_at, finished_at,
-       leased_by, left(last_error, 300) AS error, concurrency_key
+       leased_by, right(last_error, 300) AS error, concurrency_key
 FROM (
     SELECT * FROM gpuq.jobs WHERE $1::text = 'pending' AND status = 'pending' AND shape IS NULL
     UNION ALL

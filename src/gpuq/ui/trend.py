@@ -67,20 +67,23 @@ class Trend:
         return sample
 
     def charts(self) -> dict[str, Any]:
-        """What the overview draws: each series' SVG points and its latest value."""
+        """What the overview draws: per group, its top value, and per series its SVG points and
+        its latest value (the last sample that had one). The samples held span the width."""
         s = list(self.samples)
         series: dict[str, list[float | None]] = {
             "done": [x.done_per_s for x in s], "failed": [x.failed_per_s for x in s],
             "pending": [float(x.pending) for x in s], "leased": [float(x.leased) for x in s],
             "lease_p50": [x.lease_p50_ms for x in s], "completion_p50": [x.completion_p50_ms for x in s],
+            "lease_p99": [x.lease_p99_ms for x in s], "completion_p99": [x.completion_p99_ms for x in s],
         }
         groups: dict[str, tuple[str, ...]] = {"throughput": ("done", "failed"), "depth": ("pending", "leased"),
-                  "latency": ("lease_p50", "completion_p50")}
+                                              "latency": ("lease_p50", "completion_p50")}
         out: dict[str, Any] = {"samples": len(s), "sample_seconds": self.sample_seconds,
-                               "latest": s[-1] if s else None}
+                               "span_seconds": s[-1].at - s[0].at if len(s) > 1 else 0.0}
         for group, names in groups.items():
             top = max((v for n in names for v in series[n] if v is not None), default=0.0) or 1.0
-            out[group] = {"top": top, **{n: chart(series[n], top, self.samples.maxlen or 1) for n in names}}
+            out[group] = {"top": top, **{n: chart(series[n], top, len(s)) for n in names}}
+        out["last"] = {n: next((v for v in reversed(values) if v is not None), None) for n, values in series.items()}
         return out
 
 

@@ -27,7 +27,7 @@ async def overview(server: Any) -> dict[str, Any]:
         "scheduled": counts.live["scheduled"].get(k, 0),
         "paused": k in counts.paused,
         "unplaceable": sum(u["pending"] for u in unplaceable.get(k, [])),
-        "oldest_pending": _age(counts.oldest_pending_by_kind.get(k)),
+        "oldest_pending": age(counts.oldest_pending_by_kind.get(k)),
     } for k in kinds]
     return {"kinds": rows, "agents": len(server.d.sessions), "history_estimate": counts.history_estimate,
             "busy_fraction": server.slots_status()["busy_fraction"]}
@@ -51,13 +51,13 @@ def agents(server: Any) -> list[dict[str, Any]]:
             "id": s.id, "remote": s.remote, "kinds": sorted(s.kinds), "capacity": s.capacity,
             "inflight": len(s.inflight), "devices": devices, "labels": list(proto.labels),
             "models": list(proto.models), "protocol": proto.version, "draining": s.draining,
-            "last_heartbeat": None if beat is None else _age(now - beat),
+            "last_heartbeat": None if beat is None else age(now - beat),
             "busy_fraction": slots.busy_fraction(*proto.busy.totals(now)),
         })
     return sorted(out, key=lambda a: a["id"])
 
 
-def _age(seconds: float | None) -> str | None:
+def age(seconds: float | None) -> str | None:
     if seconds is None:
         return None
     if seconds < 60:
@@ -76,6 +76,8 @@ STATES = ("", *queue.LIST_STATES)  # "" = any
 async def jobs(server: Any, which: queue.JobFilter, before: int | None) -> dict[str, Any]:
     """One page of the job list (keyset: ``before`` is the id the page starts below)."""
     page = await queue.list_jobs(server.d.pool, which, before)
+    for j in page.jobs:  # a traceback's last line says what happened
+        j["error"] = j["error"].strip().splitlines()[-1] if j["error"] and j["error"].strip() else j["error"]
     return {"jobs": page.jobs, "older": page.older, "searched_to": page.searched_to, "before": before,
             "filter": which, "retryable": which.state in ("dead", "cancelled", "failed")}
 
@@ -91,7 +93,7 @@ async def job(server: Any, job_id: int) -> dict[str, Any] | None:
                       "ended_at": shown["finished_at"], "error": None,
                       "became": "running" if shown["status"] == "leased" else "done"})
     for a in tried:
-        a["took"] = None if a["ended_at"] is None or a["started_at"] is None else _age(
+        a["took"] = None if a["ended_at"] is None or a["started_at"] is None else age(
             (a["ended_at"] - a["started_at"]).total_seconds())
     return {**shown, "attempt_rows": tried, "payload_text": pretty(shown["payload"]),
             "result_text": pretty(shown["result"]), "progress_text": pretty(shown["progress"])}

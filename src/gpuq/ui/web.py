@@ -64,7 +64,11 @@ def _ms(value: float | None) -> str:
     return f"{value:.1f} ms" if value < 1000 else f"{value / 1000:.2f} s"
 
 
-_templates.globals["ms"] = _ms
+def _num(value: float | None, digits: int = 1) -> str:
+    return "–" if value is None else f"{value:,.{digits}f}"
+
+
+_templates.globals.update(ms=_ms, num=_num, duration=lambda s: views.age(s) or "0 s")
 
 
 class Dashboard:
