@@ -47,9 +47,10 @@ def run_dev(args: argparse.Namespace) -> int:
 async def _run(args: argparse.Namespace, dsn: str) -> None:
     applied = await migrate(dsn)
     print(f"migrations: {', '.join(applied) if applied else 'up to date'}", flush=True)
-    token = secrets.token_urlsafe(16)
+    token, ui_token = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
     config = ServerConfig(database_url=dsn, listen=("127.0.0.1", args.port), tokens=frozenset({token}),
-                          lease_seconds=30, heartbeat_seconds=5, poll_seconds=1, drain_seconds=10)
+                          ui_admin_tokens=frozenset({ui_token}), lease_seconds=30, heartbeat_seconds=5,
+                          poll_seconds=1, drain_seconds=10)
     stop = anyio.Event()
     port_ready = anyio.Event()
     ports: list[int] = []
@@ -69,6 +70,7 @@ async def _run(args: argparse.Namespace, dsn: str) -> None:
             url = f"ws://127.0.0.1:{ports[0]}/agent"
             print(f"server on http://127.0.0.1:{ports[0]}  (/status /metrics /healthz; agent token {token})",
                   flush=True)
+            print(f"dashboard on http://127.0.0.1:{ports[0]}/ui  (admin token {ui_token})", flush=True)
             for i in range(args.agents):
                 agent = Agent(url, token, ["demo"], args.capacity, handle, f"demo-{i}")
                 agents.append(agent)

@@ -90,6 +90,7 @@ def test_gpuq_dev_runs_end_to_end_from_a_clean_directory(tmp_path):
     completed = int(last.split(" completed")[0].rsplit(" ", 1)[1])
     assert completed > 50
     assert "t=" in res.stdout and "agents 2" in res.stdout  # live progress lines
+    assert "/ui  (admin token " in res.stdout  # the dashboard is on, with a token of its own
     assert (data / "pgdata" / "PG_VERSION").exists()  # data kept for the next run
     again = subprocess.run([sys.executable, "-m", "gpuq.cli", "dev", "--duration", "2", "--port", "0",
                             "--data-dir", str(data)], capture_output=True, text=True, timeout=120)
