@@ -214,6 +214,8 @@ async def test_a_job_page_shows_payload_error_attempts_and_keys(dsn, pool):
         assert "<script>alert" not in body and "&lt;script&gt;alert(1)&lt;/script&gt;" in body
         status, _, _ = await request(srv.port, "GET", "/ui/jobs/99999", session)
         assert status == 404
+        status, _, _ = await request(srv.port, "GET", "/ui/jobs/" + "9" * 30, session)
+        assert status == 400
 
 
 async def test_an_admin_retries_by_filter_after_seeing_the_count_and_cancels_a_job(dsn, pool):

@@ -219,7 +219,10 @@ class Dashboard:
                                 window=queue.LIST_WINDOW))
 
     async def _job_page(self, session: auth.Session, params: dict[str, str]) -> Response:
-        job_id = int(params["id"])
+        try:
+            job_id = _job_id(params["id"])
+        except ValueError as exc:
+            return _text(HTTPStatus.BAD_REQUEST, f"{exc}\n")
         job = await views.job(self.server, job_id)
         if job is None:
             return _text(HTTPStatus.NOT_FOUND, f"no job {job_id}\n")
