@@ -186,6 +186,7 @@ def _pages(top: int, dead_id: int) -> dict[str, list[tuple[str, tuple]]]:
         pages[label] = [*([] if indexed else [("max_job_id", ())]),
                         queue.list_statement(which, None if indexed else top, 50)]
     pages["job page"] = [("show", (dead_id,)), ("job_attempts", (dead_id,))]
+    pages["retry preview"] = [("retry_count", queue.RetryFilter(kind="eval", state="dead").args())]
     pages["overview"] = [("status_counts", ()), ("table_estimate", ()), ("paused_kinds", ()), ("placed_pending", ())]
     return pages
 
@@ -224,6 +225,7 @@ async def test_the_dashboards_reads_cost_the_same_at_a_million_done_rows(conn):
     assert "jobs_failed_idx" in full["list: dead"][1] and "jobs_failed_idx" in full["list: error text"][1]
     assert "jobs_leased_idx" in full["list: leased"][1] and "jobs_pkey" in full["list: all"][1]
     assert "jobs_keyed_idx" in full["list: key"][1] and "jobs_keyed_idx" in full["list: done of a key"][1]
+    assert "jobs_failed_idx" in full["retry preview"][1]
     print({label: (empty[label][0], full[label][0]) for label in full})
 
 
