@@ -60,6 +60,8 @@ def agents(server: Any) -> list[dict[str, Any]]:
 def age(seconds: float | None) -> str | None:
     if seconds is None:
         return None
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
     if seconds < 60:
         return f"{seconds:.1f} s"
     if seconds < 3600:

@@ -18,6 +18,7 @@ import importlib.resources
 import json
 import time
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
@@ -68,7 +69,16 @@ def _num(value: float | None, digits: int = 1) -> str:
     return "–" if value is None else f"{value:,.{digits}f}"
 
 
+def _when(at: datetime | None, seconds: bool = False) -> str:
+    """A timestamp in UTC, to the millisecond (``seconds``: to the second)."""
+    if at is None:
+        return "–"
+    at = at.astimezone(UTC)
+    return at.strftime("%Y-%m-%d %H:%M:%S") + ("" if seconds else f".{at.microsecond // 1000:03d}") + " UTC"
+
+
 _templates.globals.update(ms=_ms, num=_num, duration=lambda s: views.age(s) or "0 s")
+_templates.filters["when"] = _when
 
 
 class Dashboard:
