@@ -1,4 +1,4 @@
-"""The ``gpuq`` command: migrate, serve, sweep, agent, enqueue, status, show, wait, cancel, pause, resume,
+"""The ``gpuq`` command: migrate, serve, sweep, agent, enqueue, status, jobs, show, wait, cancel, pause, resume,
 retry, schedule, kind-timeout, limit, dev, bench.
 
 Every failure an operator can cause (bad flag, unreachable database, missing
@@ -151,6 +151,18 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("id", metavar="ID", type=int)
     config.add_flags(sh, "show")
     sh.set_defaults(func=cmd_show)
+
+    jl = sub.add_parser("jobs", help="list jobs newest first, filtered, a page at a time (the dashboard's list)")
+    jl.add_argument("--kind", help="only jobs of this kind")
+    jl.add_argument("--state", help="only jobs in this state: pending, leased, scheduled, done, dead, cancelled, "
+                                    "or failed (dead or cancelled)")
+    jl.add_argument("--key", help="only jobs with this concurrency key")
+    jl.add_argument("--error", help="only jobs whose last error contains this text")
+    jl.add_argument("--before", type=int, help="the page below this id (the 'older' id a page prints)")
+    jl.add_argument("--limit", type=int, default=50, help="jobs per page, 1-1000 (default 50)")
+    jl.add_argument("--json", action="store_true", help="print one JSON object: jobs and the next page's id")
+    config.add_flags(jl, "jobs")
+    jl.set_defaults(func=cmd_jobs)
 
     wt = sub.add_parser("wait", help="wait for a job to end: print its result, or exit 1 if it died, was "
                                      "cancelled or the timeout passed")
@@ -475,11 +487,53 @@ def _admin(action: str, **fields: Any) -> None:
 def cmd_show(args: argparse.Namespace) -> int:
     from gpuq import queue
 
-    found = _on_db(args, lambda conn: queue.show(conn, args.id))
+    async def read(conn: Any) -> dict[str, Any] | None:
+        found = await queue.show(conn, args.id)
+        if found is not None:  # each attempt that did not succeed (the last one is the row itself)
+            found["failed_attempts"] = await queue.attempts(conn, args.id)
+        return found
+
+    found = _on_db(args, read)
     if found is None:
         raise CLIError(f"no job {args.id}")
     print(json.dumps(found, indent=2, default=str))
     return 0
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from gpuq import queue
+
+    if not 1 <= args.limit <= 1000:
+        raise CLIError(f"--limit must be 1-1000, not {args.limit}")
+    from gpuq.kinds import KIND_RULE, is_kind
+
+    if args.kind is not None and not is_kind(args.kind):
+        raise CLIError(f"bad job kind {args.kind!r}: {KIND_RULE}")
+    try:
+        which = queue.JobFilter(kind=args.kind, state=args.state, key=args.key, error=args.error)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    page = _on_db(args, lambda conn: queue.list_jobs(conn, which, args.before, args.limit))
+    if args.json:
+        print(json.dumps({"jobs": page.jobs, "older": page.older, "searched_to": page.searched_to}, default=str))
+        return 0
+    rows: list[tuple[str, ...]] = [("id", "kind", "state", "attempts", "created", "error")]
+    rows += [(str(j["id"]), j["kind"], j["status"], f"{j['attempts']}/{j['max_attempts']}",
+              j["created_at"].strftime("%Y-%m-%d %H:%M:%S"), (j["error"] or "").strip().split("\n")[-1][:60])
+             for j in page.jobs]
+    print("\n".join(_table(rows, right={0, 3})))
+    if page.searched_to:
+        print(f"(looked at ids from {page.searched_to} up)")
+    if page.older:
+        print(f"older: gpuq jobs ... --before {page.older}")
+    return 0
+
+
+def _table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
+    """Rows as aligned text lines; the columns in ``right`` flush right (numbers)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+            .rstrip() for r in rows]
 
 
 def cmd_wait(args: argparse.Namespace) -> int:
@@ -642,9 +696,7 @@ def render_status(body: dict[str, Any]) -> str:
     rows: list[tuple[str, ...]] = [("kind", "pending", "leased", "scheduled")]
     rows += [(k, *(str(live[s].get(k, 0)) for s in ("pending", "leased", "scheduled"))) for k in kinds]
     rows.append(("total", *(str(body["totals"][s]) for s in ("pending", "leased", "scheduled"))))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-             for r in rows]
+    lines = _table(rows, right={1, 2, 3})
     for kind, shapes in sorted(body.get("server", {}).get("unplaceable", {}).items()):
         for u in shapes:
             lines.append(f"unplaceable: {kind}: {u['pending']} pending ({u['reason']})")

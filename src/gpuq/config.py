@@ -107,8 +107,8 @@ class Setting:
         return self.used_by or ", ".join(self.flags)
 
 
-_DB_COMMANDS = ("migrate", "serve", "sweep", "enqueue", "status", "pause", "resume", "retry", "cancel", "show", "wait", "schedule",
-                "kind-timeout", "limit")
+_DB_COMMANDS = ("migrate", "serve", "sweep", "enqueue", "status", "jobs", "pause", "resume", "retry", "cancel", "show",
+                "wait", "schedule", "kind-timeout", "limit")
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("database_url", "DATABASE_URL", None, parse_text, "PostgreSQL DSN",

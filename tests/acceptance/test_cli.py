@@ -10,7 +10,7 @@ import pytest
 from gpuq.config import ConfigError
 from gpuq.runtime import use_uvloop
 
-SUBCOMMANDS = ["migrate", "serve", "sweep", "agent", "enqueue", "status", "show", "cancel", "pause", "resume",
+SUBCOMMANDS = ["migrate", "serve", "sweep", "agent", "enqueue", "status", "jobs", "show", "cancel", "pause", "resume",
                "retry", "schedule", "wait", "kind-timeout", "limit", "dev", "bench"]
 
 
@@ -181,6 +181,21 @@ def test_cancel_and_show_from_the_shell(dsn):
     assert json.loads(gpuq("show", str(job_id), env=env).stdout)["status"] == "pending"
     res = gpuq("show", "999999", env=env)
     assert res.returncode == 1 and res.stderr.strip() == "gpuq: error: no job 999999"
+    assert json.loads(gpuq("show", str(job_id), env=env).stdout)["failed_attempts"] == []
+
+
+def test_list_jobs_from_the_shell_a_page_at_a_time(dsn):
+    env = {"DATABASE_URL": dsn, "GPUQ_LOG_FORMAT": "json"}
+    ids = [int(gpuq("enqueue", "embed", "{}", env=env).stdout) for _ in range(3)]
+    res = gpuq("jobs", "--kind", "embed", "--limit", "2", env=env)
+    lines = res.stdout.splitlines()
+    assert res.returncode == 0 and lines[0].split() == ["id", "kind", "state", "attempts", "created", "error"]
+    assert [int(ln.split()[0]) for ln in lines[1:3]] == [ids[2], ids[1]]
+    assert lines[-1] == f"older: gpuq jobs ... --before {ids[1]}"
+    page = json.loads(gpuq("jobs", "--state", "pending", "--before", str(ids[1]), "--json", env=env).stdout)
+    assert [j["id"] for j in page["jobs"]] == [ids[0]] and page["older"] is None
+    res = gpuq("jobs", "--state", "running", env=env)
+    assert res.returncode == 1 and "state must be one of" in res.stderr
 
 
 def test_schedule_add_list_and_remove_from_the_shell(dsn):
