@@ -282,3 +282,30 @@ async def test_the_overview_charts_the_last_hour_from_the_servers_own_samples(ds
 
 async def _quick(job):
     return {"ok": True}
+
+
+async def test_many_open_pages_share_one_overview_read_a_second(dsn, monkeypatch):
+    from gpuq import queue
+    from gpuq.ui import views
+
+    reads = []
+    counted = queue.status_counts
+
+    async def status_counts(db):
+        reads.append(1)
+        return await counted(db)
+
+    monkeypatch.setattr(views.queue, "status_counts", status_counts)  # counts the real reads
+    async with running_server(dsn, **UI) as srv:
+        cookie = await login(srv.port, READ)
+        sockets = [await connect(f"ws://127.0.0.1:{srv.port}/ui/live?page=overview", origin=origin(srv.port)["Origin"],
+                                 additional_headers={"Cookie": cookie}) for _ in range(10)]
+        try:
+            for ws in sockets:
+                await ws.recv()
+            reads.clear()
+            await anyio.sleep(3)
+        finally:
+            for ws in sockets:
+                await ws.close()
+    assert 1 <= len(reads) <= 5, len(reads)  # ten pages each asking every second: about one read a second

@@ -34,6 +34,7 @@ from gpuq import db, logs, queue
 from gpuq.kinds import KIND_RULE, is_kind
 from gpuq.loops import run_every
 from gpuq.ui import auth, views
+from gpuq.ui.shared import Shared
 from gpuq.ui.trend import Trend
 
 log = logs.get("ui")
@@ -90,9 +91,21 @@ class Dashboard:
         self.keys = auth.Keys(read_tokens, admin_tokens)
         self.tls = tls
         self.trend = Trend(server.d.latency, sample_seconds)
+        self.shared = Shared(LIVE_SECONDS)
         self._pages: dict[str, Callable[[auth.Session, dict[str, str]], Awaitable[Response]]] = {
             "/ui": self._overview_page, "/ui/agents": self._agents_page, "/ui/jobs": self._jobs_page,
             "/ui/jobs/retry": self._retry_preview}
+
+    # Every page and live socket reads through ``shared``: one read per key a second, however many look.
+
+    async def _overview(self) -> dict[str, Any]:
+        return await self.shared.get("overview", lambda: views.overview(self.server))
+
+    async def _jobs(self, which: queue.JobFilter, before: int | None) -> dict[str, Any]:
+        return await self.shared.get(("jobs", which, before), lambda: views.jobs(self.server, which, before))
+
+    async def _job(self, job_id: int) -> dict[str, Any] | None:
+        return await self.shared.get(("job", job_id), lambda: views.job(self.server, job_id))
 
     async def sample_forever(self) -> None:
         """Take the overview's samples (``trend``) until cancelled; a database outage is retried."""
@@ -161,6 +174,8 @@ class Dashboard:
             return await action(_params(request.path))
         except ValueError as exc:
             return _text(HTTPStatus.BAD_REQUEST, f"{exc}\n")
+        finally:
+            self.shared.clear()  # every page shows what the action did at its next look
 
     # Actions call the CLI's own functions (gpuq.queue): the two cannot disagree.
 
@@ -211,7 +226,7 @@ class Dashboard:
             headers=json.dumps({"X-CSRF-Token": self.keys.csrf(session)}), **values)
 
     async def _overview_page(self, session: auth.Session, params: dict[str, str]) -> Response:
-        return _html(self._page("overview.html", session, "overview", overview=await views.overview(self.server),
+        return _html(self._page("overview.html", session, "overview", overview=await self._overview(),
                                 charts=self.trend.charts()))
 
     async def _agents_page(self, session: auth.Session, params: dict[str, str]) -> Response:
@@ -225,7 +240,7 @@ class Dashboard:
         query = _filter_query(which)
         return _html(self._page("jobs.html", session, "jobs", live_params={**_filter_params(which),
                                 **({} if before is None else {"before": str(before)})},
-                                view=await views.jobs(self.server, which, before), query=query, states=views.STATES,
+                                view=await self._jobs(which, before), query=query, states=views.STATES,
                                 window=queue.LIST_WINDOW))
 
     async def _job_page(self, session: auth.Session, params: dict[str, str]) -> Response:
@@ -233,7 +248,7 @@ class Dashboard:
             job_id = _job_id(params["id"])
         except ValueError as exc:
             return _text(HTTPStatus.BAD_REQUEST, f"{exc}\n")
-        job = await views.job(self.server, job_id)
+        job = await self._job(job_id)
         if job is None:
             return _text(HTTPStatus.NOT_FOUND, f"no job {job_id}\n")
         return _html(self._page("job.html", session, "job", live_params={"id": str(job_id)}, job=job,
@@ -282,17 +297,17 @@ class Dashboard:
             return _templates.get_template(template).render(oob=True, admin=admin, **values)
 
         async def overview() -> str:
-            return render("overview_body.html", overview=await views.overview(self.server), charts=self.trend.charts())
+            return render("overview_body.html", overview=await self._overview(), charts=self.trend.charts())
 
         async def agents() -> str:
             return render("agents_body.html", agents=views.agents(self.server))
 
         async def jobs() -> str:
-            return render("jobs_body.html", view=await views.jobs(self.server, which, before),
+            return render("jobs_body.html", view=await self._jobs(which, before),
                           query=_filter_query(which), window=queue.LIST_WINDOW)
 
         async def job() -> str:
-            return render("job_body.html", job=await views.job(self.server, job_id), outcomes=OUTCOMES)
+            return render("job_body.html", job=await self._job(job_id), outcomes=OUTCOMES)
 
         if page == "jobs":
             which, before = _job_filter(params), _before(params)
