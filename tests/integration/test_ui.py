@@ -309,3 +309,22 @@ async def test_many_open_pages_share_one_overview_read_a_second(dsn, monkeypatch
             for ws in sockets:
                 await ws.close()
     assert 1 <= len(reads) <= 5, len(reads)  # ten pages each asking every second: about one read a second
+
+
+async def test_the_agents_page_links_the_job_each_gpu_runs(dsn, pool):
+    from gpuq.producer import enqueue
+    from gpuq.protocol import Device
+
+    started = anyio.Event()
+
+    async def train(job):
+        started.set()
+        await anyio.sleep(30)
+
+    async with running_server(dsn, **UI) as srv:
+        await srv.agent(["train"], 2, train, "gpu-box", devices=(Device(0, "H100", 81559), Device(1, "H100", 81559)))
+        job_id = await enqueue(pool, "train", {}, gpus=1)
+        with anyio.fail_after(10):
+            await started.wait()
+        _, _, body = await request(srv.port, "GET", "/ui/agents", {"Cookie": await login(srv.port, READ)})
+        assert f'runs <a href="/ui/jobs/{job_id}">{job_id}</a>' in body and body.count("runs <a") == 1
