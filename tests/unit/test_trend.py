@@ -30,10 +30,10 @@ def test_a_sample_holds_the_rates_since_the_last_and_the_depth_now():
     latency.finished([1, 3], other=[2])
     metrics.JOBS_DONE.labels(kind="trend-test").inc(50)
     metrics.JOBS_FAILED.labels(kind="trend-test", outcome="dead").inc(10)
-    metrics.JOBS_FAILED.labels(kind="trend-test", outcome="scheduled").inc(99)  # a retry is not a failure yet
+    metrics.JOBS_FAILED.labels(kind="trend-test", outcome="scheduled").inc(99)  # failed, retried: not dead
     wall.now += 10
     s = trend.take(_counts(7, 3))
-    assert (s.done_per_s, s.failed_per_s, s.pending, s.leased) == (5.0, 1.0, 7, 3)
+    assert (s.done_per_s, s.failed_per_s, s.dead_per_s, s.pending, s.leased) == (5.0, 10.9, 1.0, 7, 3)
     assert (s.lease_p50_ms, round(s.completion_p50_ms, 6)) == (60, 540.0)  # job 1: due 40 ms before, done 500 ms after
     wall.now += 10
     s = trend.take(_counts(0, 0))

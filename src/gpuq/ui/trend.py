@@ -1,10 +1,11 @@
 """The overview's last hour, kept in the server's memory: never computed from history.
 
-Every ``sample_seconds`` the dashboard takes one ``Sample``: jobs done and
-failed per second (this dispatcher's committed outcomes, from its counters),
-the queue depth (the partial indexes' live counts, as ``/status`` reads them)
-and the lease and completion latency of the interval (``gpuq.latency``). A
-ring holds an hour of them; ``chart`` draws a series as SVG points.
+Every ``sample_seconds`` the dashboard takes one ``Sample``: jobs done,
+attempts failed and jobs dead per second (this dispatcher's committed
+outcomes, from its counters), the queue depth (the partial indexes' live
+counts, as ``/status`` reads them) and the lease and completion latency of
+the interval (``gpuq.latency``). A ring holds an hour of them; ``chart``
+draws a series as SVG points.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ HOUR_SECONDS = 3600.0
 class Sample:
     at: float  # wall clock, seconds
     done_per_s: float
-    failed_per_s: float
+    failed_per_s: float  # failed attempts: retried or dead
+    dead_per_s: float  # jobs that died (out of attempts, or not retryable)
     pending: int
     leased: int
     scheduled: int
@@ -51,16 +53,18 @@ class Trend:
         self.samples: deque[Sample] = deque(maxlen=max(2, int(HOUR_SECONDS / sample_seconds)))
         self._last = self._counts()
 
-    def _counts(self) -> tuple[float, float, float]:
-        return (self.clock(), _total(metrics.JOBS_DONE), _total(metrics.JOBS_FAILED, outcome="dead"))
+    def _counts(self) -> tuple[float, float, float, float]:
+        return (self.clock(), _total(metrics.JOBS_DONE), _total(metrics.JOBS_FAILED),
+                _total(metrics.JOBS_FAILED, outcome="dead"))
 
     def take(self, counts: StatusCounts) -> Sample:
         """One sample: rates since the last one, depth now, latency of the interval."""
-        (then, done0, failed0), (now, done1, failed1) = self._last, self._counts()
-        self._last = (now, done1, failed1)
+        (then, done0, failed0, dead0), (now, done1, failed1, dead1) = self._last, self._counts()
+        self._last = (now, done1, failed1, dead1)
         span = max(now - then, 1e-6)
         lease, completion = self.latency.take()
-        sample = Sample(now, (done1 - done0) / span, (failed1 - failed0) / span, counts.total("pending"),
+        sample = Sample(now, (done1 - done0) / span, (failed1 - failed0) / span, (dead1 - dead0) / span,
+                        counts.total("pending"),
                         counts.total("leased"), counts.total("scheduled"), lease.p50_ms, lease.p99_ms,
                         completion.p50_ms, completion.p99_ms)
         self.samples.append(sample)
@@ -72,6 +76,7 @@ class Trend:
         s = list(self.samples)
         series: dict[str, list[float | None]] = {
             "done": [x.done_per_s for x in s], "failed": [x.failed_per_s for x in s],
+            "dead": [x.dead_per_s for x in s],
             "pending": [float(x.pending) for x in s], "leased": [float(x.leased) for x in s],
             "lease_p50": [x.lease_p50_ms for x in s], "completion_p50": [x.completion_p50_ms for x in s],
             "lease_p99": [x.lease_p99_ms for x in s], "completion_p99": [x.completion_p99_ms for x in s],
