@@ -328,3 +328,33 @@ async def test_the_agents_page_links_the_job_each_gpu_runs(dsn, pool):
             await started.wait()
         _, _, body = await request(srv.port, "GET", "/ui/agents", {"Cookie": await login(srv.port, READ)})
         assert f'runs <a href="/ui/jobs/{job_id}">{job_id}</a>' in body and body.count("runs <a") == 1
+
+
+async def test_the_controls_page_shows_what_the_cli_set_and_an_admin_removes_a_schedule(dsn, pool):
+    from gpuq import queue, schedules
+
+    async with running_server(dsn, **UI) as srv:
+        await queue.pause(pool, "render", by="alice")
+        await queue.set_limit(pool, "kind", "train", 4)
+        await queue.set_kind_timeout(pool, "train", 3600)
+        await schedules.add(pool, schedules.Schedule("nightly-<b>eval</b>", "0 3 * * *", "eval"), by="bob")
+        read_only, admin = await _admin_headers(srv.port, READ), await _admin_headers(srv.port)
+        status, _, body = await request(srv.port, "GET", "/ui/controls", read_only)
+        assert status == 200
+        assert 'data-kind="render"' in body and "alice" in body
+        assert 'data-limit="kind:train"' in body and "0 / 4" in body and "3600" in body
+        assert "nightly-&lt;b&gt;eval&lt;/b&gt;" in body and "<code>0 3 * * *</code>" in body
+        assert "Remove" not in body  # read-only: no actions
+        remove = "/ui/schedules/remove?name=nightly-%3Cb%3Eeval%3C%2Fb%3E"
+        assert (await request(srv.port, "POST", remove, read_only))[0] == 403
+        assert (await request(srv.port, "POST", remove, admin))[0] == 204
+        assert await schedules.listing(pool) == []
+        assert (await request(srv.port, "POST", remove, admin))[0] == 404
+        _, _, body = await request(srv.port, "GET", "/ui/controls", admin)
+        assert "none (gpuq schedule add)" in body and "Resume" in body
+        async with connect(f"ws://127.0.0.1:{srv.port}/ui/live?page=controls", origin=origin(srv.port)["Origin"],
+                           additional_headers={"Cookie": admin["Cookie"]}) as ws:
+            assert 'data-kind="render"' in await ws.recv()
+            await queue.resume(pool, "render")
+            with anyio.fail_after(5):
+                assert "none (gpuq pause KIND)" in await ws.recv()

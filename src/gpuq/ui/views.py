@@ -10,7 +10,7 @@ import json
 import time
 from typing import Any
 
-from gpuq import queue
+from gpuq import queue, schedules
 from gpuq.protocol import slots
 
 
@@ -108,3 +108,11 @@ def pretty(value: Any) -> str | None:
         return None
     text = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
     return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + f"\n… ({len(text) - SHOWN_CHARS} more characters)"
+
+
+async def controls(server: Any) -> dict[str, Any]:
+    """What operators set with the CLI: paused kinds, limits (with what runs under each), kinds'
+    default timeouts, periodic jobs. Small tables; a limit's count reads the leased partial indexes."""
+    pool = server.d.pool
+    return {"paused": await queue.paused(pool), "limits": await queue.limits(pool),
+            "timeouts": await queue.kind_timeouts(pool), "schedules": await schedules.listing(pool)}

@@ -30,7 +30,7 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from gpuq import db, logs, queue
+from gpuq import db, logs, queue, schedules
 from gpuq.kinds import KIND_RULE, is_kind
 from gpuq.loops import run_every
 from gpuq.ui import auth, views
@@ -94,7 +94,7 @@ class Dashboard:
         self.shared = Shared(LIVE_SECONDS)
         self._pages: dict[str, Callable[[auth.Session, dict[str, str]], Awaitable[Response]]] = {
             "/ui": self._overview_page, "/ui/agents": self._agents_page, "/ui/jobs": self._jobs_page,
-            "/ui/jobs/retry": self._retry_preview}
+            "/ui/jobs/retry": self._retry_preview, "/ui/controls": self._controls_page}
 
     # Every page and live socket reads through ``shared``: one read per key a second, however many look.
 
@@ -103,6 +103,9 @@ class Dashboard:
 
     async def _jobs(self, which: queue.JobFilter, before: int | None) -> dict[str, Any]:
         return await self.shared.get(("jobs", which, before), lambda: views.jobs(self.server, which, before))
+
+    async def _controls(self) -> dict[str, Any]:
+        return await self.shared.get("controls", lambda: views.controls(self.server))
 
     async def _job(self, job_id: int) -> dict[str, Any] | None:
         return await self.shared.get(("job", job_id), lambda: views.job(self.server, job_id))
@@ -182,7 +185,8 @@ class Dashboard:
     @property
     def _actions(self) -> dict[str, Callable[[dict[str, str]], Awaitable[Response]]]:
         return {"/ui/kinds/pause": self._pause, "/ui/kinds/resume": self._resume,
-                "/ui/jobs/cancel": self._cancel, "/ui/jobs/retry": self._retry}
+                "/ui/jobs/cancel": self._cancel, "/ui/jobs/retry": self._retry,
+                "/ui/schedules/remove": self._remove_schedule}
 
     async def _pause(self, params: dict[str, str]) -> Response:
         kind = _kind(params.get("kind", ""))
@@ -202,6 +206,14 @@ class Dashboard:
         log.info("ui.action", action="cancel", job_id=job_id, cancelled=bool(cancelled))
         if not cancelled:
             return _text(HTTPStatus.CONFLICT, f"job {job_id} is not live (finished, or no such job)\n")
+        return _reply(HTTPStatus.NO_CONTENT)
+
+    async def _remove_schedule(self, params: dict[str, str]) -> Response:
+        name = params.get("name", "")
+        removed = await schedules.remove(self.server.d.pool, name)
+        log.info("ui.action", action="remove_schedule", schedule=name, removed=removed)
+        if not removed:
+            return _text(HTTPStatus.NOT_FOUND, f"no schedule {name[:100]!r}\n")
         return _reply(HTTPStatus.NO_CONTENT)
 
     async def _retry(self, params: dict[str, str]) -> Response:
@@ -242,6 +254,9 @@ class Dashboard:
                                 **({} if before is None else {"before": str(before)})},
                                 view=await self._jobs(which, before), query=query, states=views.STATES,
                                 window=queue.LIST_WINDOW))
+
+    async def _controls_page(self, session: auth.Session, params: dict[str, str]) -> Response:
+        return _html(self._page("controls.html", session, "controls", controls=await self._controls()))
 
     async def _job_page(self, session: auth.Session, params: dict[str, str]) -> Response:
         try:
@@ -309,13 +324,16 @@ class Dashboard:
         async def job() -> str:
             return render("job_body.html", job=await self._job(job_id), outcomes=OUTCOMES)
 
+        async def controls() -> str:
+            return render("controls_body.html", controls=await self._controls())
+
         if page == "jobs":
             which, before = _job_filter(params), _before(params)
         elif page == "job":
             job_id = _job_id(params.get("id", ""))
-        elif page not in ("overview", "agents"):
+        elif page not in ("overview", "agents", "controls"):
             raise ValueError(f"unknown page {page!r}")
-        return {"overview": overview, "agents": agents, "jobs": jobs, "job": job}[page]
+        return {"overview": overview, "agents": agents, "jobs": jobs, "job": job, "controls": controls}[page]
 
 
 # What an attempt's job became, as the job page says it.
