@@ -170,3 +170,31 @@ async def test_hostile_payloads_and_errors_show_as_text(chrome, dsn, pool):
             assert await browse(chrome.execute_script, "return window.pwned === undefined") is True
             assert await browse(lambda: chrome.find_elements(By.CSS_SELECTOR, "main img, main svg:not([role])")) == []
         await browse(screenshot, chrome, "job-hostile")
+
+
+async def test_an_admin_adds_a_periodic_job_and_sets_a_limit_from_the_controls_page(chrome, dsn, pool):
+    def steps(base: str) -> None:
+        log_in(chrome, base, ADMIN)
+        chrome.get(f"{base}/ui/controls")
+        form = chrome.find_element(By.ID, "limit-form")
+        form.find_element(By.NAME, "name").send_keys("train")
+        form.find_element(By.NAME, "max").send_keys("many")
+        form.find_element(By.TAG_NAME, "button").click()
+        until(chrome, lambda d: "whole number" in d.find_element(By.ID, "limit-result").text)  # the 400 is shown
+        form.find_element(By.NAME, "max").clear()
+        form.find_element(By.NAME, "max").send_keys("3")
+        form.find_element(By.TAG_NAME, "button").click()
+        until(chrome, lambda d: d.find_element(By.ID, "limit-result").text == "kind train: at most 3 at once")
+        until(chrome, lambda d: "0 / 3" in d.find_element(By.ID, "limits").text)  # the live table
+        form = chrome.find_element(By.ID, "schedule-form")
+        for name, value in (("name", "nightly-eval"), ("cron", "0 3 * * *"), ("kind", "eval")):
+            form.find_element(By.NAME, name).send_keys(value)
+        form.find_element(By.TAG_NAME, "button").click()
+        until(chrome, lambda d: d.find_element(By.ID, "schedule-result").text.startswith("nightly-eval: first run"))
+        until(chrome, lambda d: d.find_elements(By.CSS_SELECTOR, "tr[data-schedule='nightly-eval']"))
+        screenshot(chrome, "controls")
+
+    async with running_server(dsn, **UI) as srv:
+        await browse(steps, srv.http)
+    assert await pool.fetchval("SELECT max_running FROM gpuq.limits WHERE name = 'train'") == 3
+    assert await pool.fetchval("SELECT cron FROM gpuq.schedules WHERE name = 'nightly-eval'") == "0 3 * * *"

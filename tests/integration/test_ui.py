@@ -358,3 +358,33 @@ async def test_the_controls_page_shows_what_the_cli_set_and_an_admin_removes_a_s
             await queue.resume(pool, "render")
             with anyio.fail_after(5):
                 assert "none (gpuq pause KIND)" in await ws.recv()
+
+
+async def test_an_admin_sets_limits_timeouts_and_schedules_with_the_clis_rules(dsn, pool):
+    from gpuq import queue, schedules
+
+    async with running_server(dsn, **UI) as srv:
+        read_only, admin = await _admin_headers(srv.port, READ), await _admin_headers(srv.port)
+        assert (await request(srv.port, "POST", "/ui/limits/set?scope=kind&name=train&max=2", read_only))[0] == 403
+        status, _, body = await request(srv.port, "POST", "/ui/limits/set?scope=kind&name=train&max=2", admin)
+        assert (status, body) == (200, "kind train: at most 2 at once")
+        assert [(lim["scope"], lim["name"], lim["max_running"]) for lim in await queue.limits(pool)] == [
+            ("kind", "train", 2)]
+        status, _, body = await request(srv.port, "POST", "/ui/limits/set?scope=kind&name=train&max=", admin)
+        assert body == "kind train: no limit" and await queue.limits(pool) == []
+        for bad, says in (("/ui/limits/set?scope=team&name=x&max=1", "per kind or per key"),
+                          ("/ui/limits/set?scope=kind&name=train&max=two", "whole number"),
+                          ("/ui/timeouts/set?kind=train&seconds=0", "at least 1 second"),
+                          ("/ui/schedules/add?name=n&cron=every+day&kind=eval", "bad cron"),
+                          ("/ui/schedules/add?name=n&cron=0+3+*+*+*&kind=eval&payload=%7Bnope", "not JSON")):
+            status, _, body = await request(srv.port, "POST", bad, admin)
+            assert status == 400 and says in body, (bad, body)
+        status, _, body = await request(srv.port, "POST", "/ui/timeouts/set?kind=train&seconds=600", admin)
+        assert body == "train: 600 s" and await queue.kind_timeouts(pool) == {"train": 600}
+        add = "/ui/schedules/add?name=nightly&cron=0+3+*+*+*&kind=eval&payload=%7B%22split%22%3A+%22val%22%7D"
+        status, _, body = await request(srv.port, "POST", add + "&priority=5", admin)
+        assert status == 200 and body.startswith("nightly: first run at ") and body.endswith("03:00:00 UTC")
+        [s] = await schedules.listing(pool)
+        assert (s["kind"], s["payload"], s["priority"], s["created_by"]) == ("eval", {"split": "val"}, 5, "dashboard")
+        status, _, body = await request(srv.port, "POST", add, admin)
+        assert status == 400 and "exists" in body

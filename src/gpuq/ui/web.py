@@ -186,7 +186,8 @@ class Dashboard:
     def _actions(self) -> dict[str, Callable[[dict[str, str]], Awaitable[Response]]]:
         return {"/ui/kinds/pause": self._pause, "/ui/kinds/resume": self._resume,
                 "/ui/jobs/cancel": self._cancel, "/ui/jobs/retry": self._retry,
-                "/ui/schedules/remove": self._remove_schedule}
+                "/ui/schedules/remove": self._remove_schedule, "/ui/schedules/add": self._add_schedule,
+                "/ui/limits/set": self._set_limit, "/ui/timeouts/set": self._set_timeout}
 
     async def _pause(self, params: dict[str, str]) -> Response:
         kind = _kind(params.get("kind", ""))
@@ -215,6 +216,35 @@ class Dashboard:
         if not removed:
             return _text(HTTPStatus.NOT_FOUND, f"no schedule {name[:100]!r}\n")
         return _reply(HTTPStatus.NO_CONTENT)
+
+    async def _add_schedule(self, params: dict[str, str]) -> Response:
+        """``gpuq schedule add``: name, cron, kind, payload (JSON), priority, max_attempts."""
+        try:
+            payload = json.loads(params["payload"]) if params.get("payload", "").strip() else None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"payload is not JSON: {exc}") from None
+        priority, attempts = _whole(params, "priority"), _whole(params, "max_attempts")
+        schedule = schedules.Schedule(params.get("name", "").strip(), params.get("cron", "").strip(),
+                                      params.get("kind", "").strip(), payload, 0 if priority is None else priority,
+                                      5 if attempts is None else attempts)
+        first = await schedules.add(self.server.d.pool, schedule, by="dashboard")
+        log.info("ui.action", action="add_schedule", schedule=schedule.name, cron=schedule.cron, kind=schedule.kind)
+        return _text(HTTPStatus.OK, f"{schedule.name}: first run at {_when(first, seconds=True)}")
+
+    async def _set_limit(self, params: dict[str, str]) -> Response:
+        """``gpuq limit``: at most ``max`` leased at once per kind or key; no ``max``: no limit."""
+        scope, name = params.get("scope", ""), params.get("name", "").strip()
+        most = _whole(params, "max")
+        await queue.set_limit(self.server.d.pool, scope, name, most)
+        log.info("ui.action", action="set_limit", scope=scope, name=name, max_running=most)
+        return _text(HTTPStatus.OK, f"{scope} {name}: " + ("no limit" if most is None else f"at most {most} at once"))
+
+    async def _set_timeout(self, params: dict[str, str]) -> Response:
+        """``gpuq kind-timeout``: the default seconds per attempt of a kind's jobs; none: no default."""
+        kind, seconds = params.get("kind", "").strip(), _whole(params, "seconds")
+        await queue.set_kind_timeout(self.server.d.pool, kind, seconds)
+        log.info("ui.action", action="set_timeout", kind=kind, seconds=seconds)
+        return _text(HTTPStatus.OK, f"{kind}: " + ("no default timeout" if seconds is None else f"{seconds} s"))
 
     async def _retry(self, params: dict[str, str]) -> Response:
         """One job (``id``) or every dead or cancelled job the list's filters match."""
@@ -345,6 +375,17 @@ OUTCOMES = {"scheduled": "failed, retry scheduled", "pending": "lost (agent left
 def _params(path: str) -> dict[str, str]:
     """The query string's parameters (the last of a repeated one)."""
     return {k: v[-1] for k, v in parse_qs(urlsplit(path).query).items()}
+
+
+def _whole(params: dict[str, str], name: str) -> int | None:
+    """A whole-number parameter (blank: None)."""
+    text = params.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a whole number, not {text[:30]!r}") from None
 
 
 def _kind(kind: str) -> str:
