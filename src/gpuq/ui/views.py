@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 from gpuq import queue, schedules
@@ -116,3 +117,11 @@ async def controls(server: Any) -> dict[str, Any]:
     pool = server.d.pool
     return {"paused": await queue.paused(pool), "limits": await queue.limits(pool),
             "timeouts": await queue.kind_timeouts(pool), "schedules": await schedules.listing(pool)}
+
+
+def when(at: datetime | None, seconds: bool = False) -> str:
+    """A timestamp in UTC, to the millisecond (``seconds``: to the second)."""
+    if at is None:
+        return "–"
+    at = at.astimezone(UTC)
+    return at.strftime("%Y-%m-%d %H:%M:%S") + ("" if seconds else f".{at.microsecond // 1000:03d}") + " UTC"

@@ -18,10 +18,9 @@ import importlib.resources
 import json
 import time
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
 from http import HTTPStatus
 from typing import Any
-from urllib.parse import parse_qs, urlencode, urlsplit
+from urllib.parse import urlencode, urlsplit
 
 import anyio
 import jinja2
@@ -30,10 +29,9 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from gpuq import db, logs, queue, schedules
-from gpuq.kinds import KIND_RULE, is_kind
+from gpuq import db, logs, queue
 from gpuq.loops import run_every
-from gpuq.ui import auth, views
+from gpuq.ui import actions, auth, params, views
 from gpuq.ui.shared import Shared
 from gpuq.ui.trend import Trend
 
@@ -70,16 +68,8 @@ def _num(value: float | None, digits: int = 1) -> str:
     return "–" if value is None else f"{value:,.{digits}f}"
 
 
-def _when(at: datetime | None, seconds: bool = False) -> str:
-    """A timestamp in UTC, to the millisecond (``seconds``: to the second)."""
-    if at is None:
-        return "–"
-    at = at.astimezone(UTC)
-    return at.strftime("%Y-%m-%d %H:%M:%S") + ("" if seconds else f".{at.microsecond // 1000:03d}") + " UTC"
-
-
 _templates.globals.update(ms=_ms, num=_num, duration=lambda s: views.age(s) or "0 s")
-_templates.filters["when"] = _when
+_templates.filters["when"] = views.when
 
 
 class Dashboard:
@@ -139,13 +129,13 @@ class Dashboard:
             return None if self._same_origin(request) else _text(HTTPStatus.FORBIDDEN, "cross-origin\n")
         if request.method == "POST":
             return await self._action(path, request, session)
-        params = _params(request.path)
+        args = params.parse(request.path)
         if path.startswith("/ui/jobs/") and path[len("/ui/jobs/"):].isdigit():
-            return await self._job_page(session, {**params, "id": path[len("/ui/jobs/"):]})
+            return await self._job_page(session, {**args, "id": path[len("/ui/jobs/"):]})
         page = self._pages.get(path)
         if page is None:
             return _text(HTTPStatus.NOT_FOUND, f"no page {path}\n")
-        return await page(session, params)
+        return await page(session, args)
 
     async def _login(self, request: Request) -> Response:
         """GET: the login form. POST with ``Authorization: Bearer <token>``: a session cookie."""
@@ -168,91 +158,18 @@ class Dashboard:
         if path == "/ui/logout":
             gone = auth.set_cookie("", self.tls).replace(f"Max-Age={auth.SESSION_SECONDS}", "Max-Age=0")
             return _reply(HTTPStatus.NO_CONTENT, extra=[("Set-Cookie", gone), ("HX-Redirect", "/ui/login")])
-        action = self._actions.get(path)
+        action = actions.ACTIONS.get(path)
         if action is None:
             return _text(HTTPStatus.NOT_FOUND, f"no action {path}\n")
         if not session.admin:
             return _text(HTTPStatus.FORBIDDEN, "a read-only session has no actions\n")
         try:
-            return await action(_params(request.path))
+            status, text = await action(self.server.d.pool, params.parse(request.path))
         except ValueError as exc:
             return _text(HTTPStatus.BAD_REQUEST, f"{exc}\n")
         finally:
             self.shared.clear()  # every page shows what the action did at its next look
-
-    # Actions call the CLI's own functions (gpuq.queue): the two cannot disagree.
-
-    @property
-    def _actions(self) -> dict[str, Callable[[dict[str, str]], Awaitable[Response]]]:
-        return {"/ui/kinds/pause": self._pause, "/ui/kinds/resume": self._resume,
-                "/ui/jobs/cancel": self._cancel, "/ui/jobs/retry": self._retry,
-                "/ui/schedules/remove": self._remove_schedule, "/ui/schedules/add": self._add_schedule,
-                "/ui/limits/set": self._set_limit, "/ui/timeouts/set": self._set_timeout}
-
-    async def _pause(self, params: dict[str, str]) -> Response:
-        kind = _kind(params.get("kind", ""))
-        await queue.pause(self.server.d.pool, kind, by="dashboard")
-        log.info("ui.action", action="pause", kind=kind)
-        return _reply(HTTPStatus.NO_CONTENT)
-
-    async def _resume(self, params: dict[str, str]) -> Response:
-        kind = _kind(params.get("kind", ""))
-        await queue.resume(self.server.d.pool, kind)
-        log.info("ui.action", action="resume", kind=kind)
-        return _reply(HTTPStatus.NO_CONTENT)
-
-    async def _cancel(self, params: dict[str, str]) -> Response:
-        job_id = _job_id(params.get("id", ""))
-        cancelled = await queue.cancel(self.server.d.pool, job_id)
-        log.info("ui.action", action="cancel", job_id=job_id, cancelled=bool(cancelled))
-        if not cancelled:
-            return _text(HTTPStatus.CONFLICT, f"job {job_id} is not live (finished, or no such job)\n")
-        return _reply(HTTPStatus.NO_CONTENT)
-
-    async def _remove_schedule(self, params: dict[str, str]) -> Response:
-        name = params.get("name", "")
-        removed = await schedules.remove(self.server.d.pool, name)
-        log.info("ui.action", action="remove_schedule", schedule=name, removed=removed)
-        if not removed:
-            return _text(HTTPStatus.NOT_FOUND, f"no schedule {name[:100]!r}\n")
-        return _reply(HTTPStatus.NO_CONTENT)
-
-    async def _add_schedule(self, params: dict[str, str]) -> Response:
-        """``gpuq schedule add``: name, cron, kind, payload (JSON), priority, max_attempts."""
-        try:
-            payload = json.loads(params["payload"]) if params.get("payload", "").strip() else None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"payload is not JSON: {exc}") from None
-        priority, attempts = _whole(params, "priority"), _whole(params, "max_attempts")
-        schedule = schedules.Schedule(params.get("name", "").strip(), params.get("cron", "").strip(),
-                                      params.get("kind", "").strip(), payload, 0 if priority is None else priority,
-                                      5 if attempts is None else attempts)
-        first = await schedules.add(self.server.d.pool, schedule, by="dashboard")
-        log.info("ui.action", action="add_schedule", schedule=schedule.name, cron=schedule.cron, kind=schedule.kind)
-        return _text(HTTPStatus.OK, f"{schedule.name}: first run at {_when(first, seconds=True)}")
-
-    async def _set_limit(self, params: dict[str, str]) -> Response:
-        """``gpuq limit``: at most ``max`` leased at once per kind or key; no ``max``: no limit."""
-        scope, name = params.get("scope", ""), params.get("name", "").strip()
-        most = _whole(params, "max")
-        await queue.set_limit(self.server.d.pool, scope, name, most)
-        log.info("ui.action", action="set_limit", scope=scope, name=name, max_running=most)
-        return _text(HTTPStatus.OK, f"{scope} {name}: " + ("no limit" if most is None else f"at most {most} at once"))
-
-    async def _set_timeout(self, params: dict[str, str]) -> Response:
-        """``gpuq kind-timeout``: the default seconds per attempt of a kind's jobs; none: no default."""
-        kind, seconds = params.get("kind", "").strip(), _whole(params, "seconds")
-        await queue.set_kind_timeout(self.server.d.pool, kind, seconds)
-        log.info("ui.action", action="set_timeout", kind=kind, seconds=seconds)
-        return _text(HTTPStatus.OK, f"{kind}: " + ("no default timeout" if seconds is None else f"{seconds} s"))
-
-    async def _retry(self, params: dict[str, str]) -> Response:
-        """One job (``id``) or every dead or cancelled job the list's filters match."""
-        which = _retry_filter(params)
-        n = await queue.retry(self.server.d.pool, which)
-        log.info("ui.action", action="retry", jobs=n, ids=which.ids, kind=which.kind, state=which.state,
-                 key=which.key, error=which.error)
-        return _text(HTTPStatus.OK, f"{n} job{'' if n == 1 else 's'} sent back to pending")
+        return _reply(status) if status == HTTPStatus.NO_CONTENT else _text(status, text)
 
     def _same_origin(self, request: Request) -> bool:
         """A browser names the page's origin on every POST and websocket: it must be this server."""
@@ -267,30 +184,30 @@ class Dashboard:
             page=page, admin=session.admin, role=session.role, live=urlencode({"page": page, **(live_params or {})}),
             headers=json.dumps({"X-CSRF-Token": self.keys.csrf(session)}), **values)
 
-    async def _overview_page(self, session: auth.Session, params: dict[str, str]) -> Response:
+    async def _overview_page(self, session: auth.Session, args: dict[str, str]) -> Response:
         return _html(self._page("overview.html", session, "overview", overview=await self._overview(),
                                 charts=self.trend.charts()))
 
-    async def _agents_page(self, session: auth.Session, params: dict[str, str]) -> Response:
+    async def _agents_page(self, session: auth.Session, args: dict[str, str]) -> Response:
         return _html(self._page("agents.html", session, "agents", agents=views.agents(self.server)))
 
-    async def _jobs_page(self, session: auth.Session, params: dict[str, str]) -> Response:
+    async def _jobs_page(self, session: auth.Session, args: dict[str, str]) -> Response:
         try:
-            which, before = _job_filter(params), _before(params)
+            which, before = params.job_filter(args), params.before(args)
         except ValueError as exc:
             return _text(HTTPStatus.BAD_REQUEST, f"{exc}\n")
-        query = _filter_query(which)
-        return _html(self._page("jobs.html", session, "jobs", live_params={**_filter_params(which),
+        query = params.filter_query(which)
+        return _html(self._page("jobs.html", session, "jobs", live_params={**params.filter_params(which),
                                 **({} if before is None else {"before": str(before)})},
                                 view=await self._jobs(which, before), query=query, states=views.STATES,
                                 window=queue.LIST_WINDOW))
 
-    async def _controls_page(self, session: auth.Session, params: dict[str, str]) -> Response:
+    async def _controls_page(self, session: auth.Session, args: dict[str, str]) -> Response:
         return _html(self._page("controls.html", session, "controls", controls=await self._controls()))
 
-    async def _job_page(self, session: auth.Session, params: dict[str, str]) -> Response:
+    async def _job_page(self, session: auth.Session, args: dict[str, str]) -> Response:
         try:
-            job_id = _job_id(params["id"])
+            job_id = params.job_id(args["id"])
         except ValueError as exc:
             return _text(HTTPStatus.BAD_REQUEST, f"{exc}\n")
         job = await self._job(job_id)
@@ -299,27 +216,27 @@ class Dashboard:
         return _html(self._page("job.html", session, "job", live_params={"id": str(job_id)}, job=job,
                                 outcomes=OUTCOMES))
 
-    async def _retry_preview(self, session: auth.Session, params: dict[str, str]) -> Response:
+    async def _retry_preview(self, session: auth.Session, args: dict[str, str]) -> Response:
         """How many jobs a retry by these filters would send back, and the button that does it."""
         if not session.admin:
             return _text(HTTPStatus.FORBIDDEN, "a read-only session has no actions\n")
         try:
-            which = _retry_filter(params)
+            which = params.retry_filter(args)
             n = await queue.retry_count(self.server.d.pool, which)
         except ValueError as exc:
             return _text(HTTPStatus.BAD_REQUEST, f"{exc}\n")
-        return _html(_templates.get_template("retry_confirm.html").render(n=n, query=_filter_query(which)))
+        return _html(_templates.get_template("retry_confirm.html").render(n=n, query=params.filter_query(which)))
 
     # -- live updates ----------------------------------------------------
 
     async def live(self, ws: ServerConnection) -> None:
         """Push the page's fragments (``?page=overview|agents``) whenever they change."""
         request = ws.request
-        params = _params(request.path if request else "")
+        args = params.parse(request.path if request else "")
         session = self.keys.session(auth.cookie_value(request.headers.get("Cookie") if request else None), time.time())
         admin = session is not None and session.admin
         try:
-            render = self._fragment(params.get("page", "overview"), params, admin)
+            render = self._fragment(args.get("page", "overview"), args, admin)
         except ValueError as exc:
             await ws.close(1008, str(exc)[:100])
             return
@@ -336,7 +253,7 @@ class Dashboard:
         except ConnectionClosed:
             pass
 
-    def _fragment(self, page: str, params: dict[str, str], admin: bool) -> Callable[[], Awaitable[str]]:
+    def _fragment(self, page: str, args: dict[str, str], admin: bool) -> Callable[[], Awaitable[str]]:
         """What the live socket of ``page`` sends: a function rendering the page's changing part."""
         def render(template: str, **values: Any) -> str:
             return _templates.get_template(template).render(oob=True, admin=admin, **values)
@@ -349,7 +266,7 @@ class Dashboard:
 
         async def jobs() -> str:
             return render("jobs_body.html", view=await self._jobs(which, before),
-                          query=_filter_query(which), window=queue.LIST_WINDOW)
+                          query=params.filter_query(which), window=queue.LIST_WINDOW)
 
         async def job() -> str:
             return render("job_body.html", job=await self._job(job_id), outcomes=OUTCOMES)
@@ -358,9 +275,9 @@ class Dashboard:
             return render("controls_body.html", controls=await self._controls())
 
         if page == "jobs":
-            which, before = _job_filter(params), _before(params)
+            which, before = params.job_filter(args), params.before(args)
         elif page == "job":
-            job_id = _job_id(params.get("id", ""))
+            job_id = params.job_id(args.get("id", ""))
         elif page not in ("overview", "agents", "controls"):
             raise ValueError(f"unknown page {page!r}")
         return {"overview": overview, "agents": agents, "jobs": jobs, "job": job, "controls": controls}[page]
@@ -370,75 +287,6 @@ class Dashboard:
 OUTCOMES = {"scheduled": "failed, retry scheduled", "pending": "lost (agent left or lease expired), back to pending",
             "leased": "lease expired, leased again", "dead": "failed, dead", "cancelled": "cancelled",
             "running": "running", "done": "done"}
-
-
-def _params(path: str) -> dict[str, str]:
-    """The query string's parameters (the last of a repeated one)."""
-    return {k: v[-1] for k, v in parse_qs(urlsplit(path).query).items()}
-
-
-def _whole(params: dict[str, str], name: str) -> int | None:
-    """A whole-number parameter (blank: None)."""
-    text = params.get(name, "").strip()
-    if not text:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{name} must be a whole number, not {text[:30]!r}") from None
-
-
-def _kind(kind: str) -> str:
-    if not is_kind(kind):
-        raise ValueError(f"bad job kind {kind!r}: {KIND_RULE}")
-    return kind
-
-
-def _job_id(text: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 2**63:
-        raise ValueError(f"bad job id {text[:30]!r}: a whole number")
-    return int(text)
-
-
-def _text_filter(params: dict[str, str], name: str) -> str | None:
-    value = params.get(name, "").strip()
-    if len(value) > 200:
-        raise ValueError(f"{name} filter too long: at most 200 characters")
-    return value or None
-
-
-def _job_filter(params: dict[str, str]) -> queue.JobFilter:
-    kind = _text_filter(params, "kind")
-    return queue.JobFilter(kind=None if kind is None else _kind(kind), state=params.get("state") or None,
-                           key=_text_filter(params, "key"), error=_text_filter(params, "error"))
-
-
-def _before(params: dict[str, str]) -> int | None:
-    return _job_id(params["before"]) if params.get("before") else None
-
-
-def _retry_filter(params: dict[str, str]) -> queue.RetryFilter:
-    """One job (``id``), or the dead/cancelled jobs a list's filters match."""
-    if params.get("id"):
-        return queue.RetryFilter(ids=[_job_id(params["id"])])
-    which = _job_filter(params)
-    if which.state not in ("dead", "cancelled", "failed"):
-        raise ValueError("retry by filter needs the state dead, cancelled or failed")
-    state = None if which.state == "failed" else which.state
-    retry = queue.RetryFilter(kind=which.kind, error=which.error, state=state, key=which.key)
-    retry.args()
-    return retry
-
-
-def _filter_params(which: queue.JobFilter) -> dict[str, str]:
-    return {k: v for k, v in (("kind", which.kind), ("state", which.state), ("key", which.key),
-                              ("error", which.error)) if v}
-
-
-def _filter_query(which: queue.JobFilter | queue.RetryFilter) -> str:
-    if isinstance(which, queue.RetryFilter):
-        which = queue.JobFilter(kind=which.kind, state=which.state or "failed", key=which.key, error=which.error)
-    return urlencode(_filter_params(which))
 
 
 def _reply(status: HTTPStatus, body: bytes = b"", content_type: str | None = None,
