@@ -692,6 +692,11 @@ async def attempts(db: DB, job_id: int) -> list[dict[str, Any]]:
     return [dict(r) for r in await db.fetch(queries["job_attempts"], job_id)]
 
 
+async def last_agents(db: DB, job_ids: Sequence[int]) -> dict[int, str]:
+    """Job id -> the agent of its latest attempt that did not succeed (for jobs that have one)."""
+    return {r["job_id"]: r["agent"] for r in await db.fetch(queries["last_agents"], list(job_ids))}
+
+
 # -- listing jobs (the dashboard) ----------------------------------------------
 
 LIST_STATES = ("pending", "leased", "scheduled", "done", "dead", "cancelled", "failed")  # failed: dead or cancelled

@@ -185,6 +185,7 @@ def _pages(top: int, dead_id: int) -> dict[str, list[tuple[str, tuple]]]:
         indexed = queue._indexed(which)
         pages[label] = [*([] if indexed else [("max_job_id", ())]),
                         queue.list_statement(which, None if indexed else top, 50)]
+    pages["list: dead"].append(("last_agents", ([dead_id],)))  # a failed job's agent, from its attempts
     pages["job page"] = [("show", (dead_id,)), ("job_attempts", (dead_id,))]
     pages["retry preview"] = [("retry_count", queue.RetryFilter(kind="eval", state="dead").args())]
     pages["overview"] = [("status_counts", ()), ("table_estimate", ()), ("paused_kinds", ()), ("placed_pending", ())]

@@ -18,7 +18,7 @@ NAMES = {
     "show", "kind_timeout_set", "kind_timeouts", "expire_deadlines", "notify_outcomes", "job_outcome",
     "schedule_add", "schedule_remove", "schedule_list", "schedules_due", "schedules_fire", "record_progress",
     "lease_placed", "shapes", "placed_pending", "placed_head", "limits_lock", "lease_limited", "limit_set", "limits",
-    "job_attempts", "jobs_recent", "jobs_failed", "jobs_live", "jobs_keyed", "max_job_id",
+    "job_attempts", "jobs_recent", "jobs_failed", "jobs_live", "jobs_keyed", "max_job_id", "last_agents",
 }
 MULTI_STATEMENT = {"migrations_bootstrap", "plan_guards"}  # run as a simple query, never prepared
 

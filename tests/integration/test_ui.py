@@ -182,6 +182,7 @@ async def test_the_jobs_list_filters_and_pages_by_keyset(dsn, pool):
         status, _, body = await request(srv.port, "GET", "/ui/jobs?state=dead&error=out+of+memory", session)
         assert status == 200
         assert [f'data-job="{i}"' in body for i in dead] == [True, False, True]
+        assert body.count("<td>box-9#1</td>") == 2  # the agent of each one's last attempt
         status, _, body = await request(srv.port, "GET", "/ui/jobs?kind=embed", session)
         assert body.count("data-job=") == 50 and 'id="older"' in body
         older = body.split('id="older"')[0].rsplit('href="', 1)[1].split('"')[0].replace("&amp;", "&")

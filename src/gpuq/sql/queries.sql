@@ -419,6 +419,11 @@ FROM gpuq.jobs WHERE id = $1;
 SELECT attempt, agent, started_at, ended_at, became::text AS became, error
 FROM gpuq.attempts WHERE job_id = $1 ORDER BY ended_at, attempt;
 
+-- name: last_agents
+-- For each of jobs $1, the agent of its latest attempt that did not succeed (attempts_job_idx).
+SELECT DISTINCT ON (job_id) job_id, agent FROM gpuq.attempts
+WHERE job_id = ANY($1::bigint[]) ORDER BY job_id, ended_at DESC;
+
 -- name: jobs_recent
 -- Up to $7 jobs with ids in [$2, $1), newest first, of kind $3, state $4, concurrency key $5, error text $6 (NULL: any): one bounded walk of the primary key.
 SELECT id, kind, status::text AS status, priority, attempts, max_attempts, created_at, started_at, finished_at,

@@ -80,6 +80,11 @@ STATES = ("", *queue.LIST_STATES)  # "" = any
 async def jobs(server: Any, which: queue.JobFilter, before: int | None) -> dict[str, Any]:
     """One page of the job list (keyset: ``before`` is the id the page starts below)."""
     page = await queue.list_jobs(server.d.pool, which, before)
+    # A job that failed or was lost no longer names its agent: the list shows its last attempt's.
+    gone = [j["id"] for j in page.jobs if j["leased_by"] is None and j["attempts"]]
+    last = await queue.last_agents(server.d.pool, gone) if gone else {}
+    for j in page.jobs:
+        j["leased_by"] = j["leased_by"] or last.get(j["id"])
     for j in page.jobs:  # a traceback's last line says what happened
         j["error"] = j["error"].strip().splitlines()[-1] if j["error"] and j["error"].strip() else j["error"]
     return {"jobs": page.jobs, "older": page.older, "searched_to": page.searched_to, "before": before,
