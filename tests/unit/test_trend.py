@@ -69,3 +69,14 @@ def test_latency_forgets_everything_beyond_its_cap(monkeypatch):
     lat.leased([SimpleNamespace(id=i, queued_ms=1) for i in range(5)])
     lat.leased([SimpleNamespace(id=9, queued_ms=1)])  # over the cap: the unfinished ones are dropped
     assert list(lat._due) == [9]
+
+
+def test_latency_figures_stay_bounded_when_nobody_takes_them(monkeypatch):
+    from gpuq import latency as module
+
+    monkeypatch.setattr(module, "KEPT", 100)
+    lat = JobLatency()
+    lat.leased([SimpleNamespace(id=i, queued_ms=i % 10) for i in range(5000)])
+    assert len(lat._lease_ms.values) == 100  # a sample, not every figure
+    lease, _ = lat.take()
+    assert lease.n == 5000 and 0 <= lease.p50_ms <= 9
