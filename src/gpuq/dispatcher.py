@@ -141,7 +141,7 @@ class Dispatcher:
         self.pool = pool
         self.config = config
         self.sessions: dict[str, AgentSession] = {}
-        self.latency = JobLatency()
+        self.latency = JobLatency(enabled=False)  # the dashboard turns it on
         self.completer = Completer(pool, backoff or Backoff(), on_written=self._outcomes_written,
                                    latency=self.latency)
         self.progress = ProgressWriter(pool)

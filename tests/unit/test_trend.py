@@ -65,6 +65,7 @@ def test_latency_forgets_everything_beyond_its_cap(monkeypatch):
     from gpuq import latency as module
 
     monkeypatch.setattr(module, "FOLLOWED", 3)
+    monkeypatch.setattr(module, "FOLLOW_EVERY", 1)
     lat = JobLatency()
     lat.leased([SimpleNamespace(id=i, queued_ms=1) for i in range(5)])
     lat.leased([SimpleNamespace(id=9, queued_ms=1)])  # over the cap: the unfinished ones are dropped
@@ -76,7 +77,34 @@ def test_latency_figures_stay_bounded_when_nobody_takes_them(monkeypatch):
 
     monkeypatch.setattr(module, "KEPT", 100)
     lat = JobLatency()
-    lat.leased([SimpleNamespace(id=i, queued_ms=i % 10) for i in range(5000)])
-    assert len(lat._lease_ms.values) == 100  # a sample, not every figure
+    for start in range(0, 5000, 64):  # batches, as the dispatcher leases them
+        lat.leased([SimpleNamespace(id=i, queued_ms=i % 10) for i in range(start, min(start + 64, 5000))])
+    assert 100 <= len(lat._lease_ms.values) < 200  # an even sample, not every figure
     lease, _ = lat.take()
     assert lease.n == 5000 and 0 <= lease.p50_ms <= 9
+
+
+def test_one_job_in_a_few_of_a_batch_is_followed_and_off_means_nothing_kept():
+    lat = JobLatency()
+    lat.leased([SimpleNamespace(id=i, queued_ms=5) for i in range(8)])
+    assert sorted(lat._due) == [0, 4]  # every wait counts, every fourth job is followed
+    lat.leased([SimpleNamespace(id=9, queued_ms=5)])
+    assert 9 in lat._due  # a batch of one (idle agents): always followed
+    lat.finished({0, 1, 9}, other={4})
+    lease, completion = lat.take()
+    assert (lease.n, completion.n, lat._due) == (9, 2, {})
+    off = JobLatency(enabled=False)
+    off.leased([SimpleNamespace(id=1, queued_ms=5)])
+    off.finished({1})
+    assert off.take()[0].n == 0 and off._due == {}
+
+
+def test_a_sample_is_every_strideth_value_across_batches(monkeypatch):
+    from gpuq import latency as module
+
+    monkeypatch.setattr(module, "KEPT", 4)
+    sample = module.Sample()
+    for batch in ([0, 1, 2], [3, 4, 5, 6, 7, 8], [9, 10, 11]):
+        sample.add([float(v) for v in batch])
+    assert sample.seen == 12 and sample.stride == 2
+    assert sample.values == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]  # even across batch edges

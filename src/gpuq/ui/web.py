@@ -81,6 +81,7 @@ class Dashboard:
         self.keys = auth.Keys(read_tokens, admin_tokens)
         self.tls = tls
         self.trend = Trend(server.d.latency, sample_seconds)
+        server.d.latency.enabled = self.keys.enabled  # its figures cost a little: only for a dashboard
         self.shared = Shared(LIVE_SECONDS)
         self._pages: dict[str, Callable[[auth.Session, dict[str, str]], Awaitable[Response]]] = {
             "/ui": self._overview_page, "/ui/agents": self._agents_page, "/ui/jobs": self._jobs_page,
