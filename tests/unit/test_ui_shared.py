@@ -49,3 +49,22 @@ async def test_a_failed_read_is_not_kept_and_a_caller_leaving_does_not_cancel_it
     await asyncio.sleep(0.01)
     impatient.cancel()
     assert await shared.get("k", flaky) == "ok" and len(calls) == 2  # the read went on for the next caller
+
+
+async def test_a_slow_read_is_shared_longer_so_reads_take_a_bounded_share_of_the_database():
+    from gpuq.ui.shared import LOAD_SHARE
+
+    clock, reads = Clock(), []
+
+    async def slow():
+        reads.append(clock.now)
+        clock.now += 0.1  # the read took 100 ms (a big backlog to count)
+        return len(reads)
+
+    shared = Shared(1.0, clock)
+    assert await shared.get("overview", slow) == 1
+    assert shared.keep("overview") == pytest.approx(0.1 / LOAD_SHARE)  # 5 s, not 1
+    clock.now = 3.0
+    assert await shared.get("overview", slow) == 1
+    clock.now = 5.2
+    assert await shared.get("overview", slow) == 2
