@@ -389,3 +389,13 @@ async def test_an_admin_sets_limits_timeouts_and_schedules_with_the_clis_rules(d
         assert (s["kind"], s["payload"], s["priority"], s["created_by"]) == ("eval", {"split": "val"}, 5, "dashboard")
         status, _, body = await request(srv.port, "POST", add, admin)
         assert status == 400 and "exists" in body
+
+
+async def test_the_overview_says_when_its_counts_were_read(dsn):
+    from datetime import UTC, datetime
+
+    async with running_server(dsn, **UI) as srv:
+        _, _, body = await request(srv.port, "GET", "/ui", {"Cookie": await login(srv.port, READ)})
+        shown = body.split('id="read-at">counts as of ', 1)[1].split(" UTC<", 1)[0]
+        at = datetime.strptime(shown, "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC)
+        assert abs((datetime.now(UTC) - at).total_seconds()) < 5

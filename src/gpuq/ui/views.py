@@ -31,7 +31,7 @@ async def overview(server: Any) -> dict[str, Any]:
         "oldest_pending": age(counts.oldest_pending_by_kind.get(k)),
     } for k in kinds]
     return {"kinds": rows, "agents": len(server.d.sessions), "history_estimate": counts.history_estimate,
-            "busy_fraction": server.slots_status()["busy_fraction"]}
+            "busy_fraction": server.slots_status()["busy_fraction"], "read_at": datetime.now(UTC)}
 
 
 def agents(server: Any) -> list[dict[str, Any]]:
