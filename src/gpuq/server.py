@@ -157,20 +157,12 @@ class AgentServer:
 
     def _agent_status(self, s: AgentSession) -> dict[str, Any]:
         proto = s.protocol
-        holder, ready = proto.device_jobs()
-        devices = []
-        for d in s.devices:
-            usage = proto.usage.get(d.index)
-            devices.append({"index": d.index, "name": d.name, "memory_mb": d.memory_mb,
-                            "utilization": usage.utilization if usage else None,
-                            "memory_used_mb": usage.memory_used_mb if usage else None, "job": holder.get(d.index),
-                            "next": ready.get(d.index)})
         reserved = self.d.reserved.get(s.id)
         shape = self.d.shape(reserved) if reserved else None
         return {"agent": s.id, "kinds": sorted(s.kinds), "capacity": s.capacity, "prefetch": proto.prefetch,
                 "inflight": len(s.inflight), "unstarted": len(proto.unstarted()),
                 "busy_fraction": slots.busy_fraction(*proto.busy.totals(time.monotonic())),
-                "draining": s.draining, "protocol": proto.version, "remote": s.remote, "devices": devices,
+                "draining": s.draining, "protocol": proto.version, "remote": s.remote, "devices": proto.device_status(),
                 "labels": list(proto.labels), "models": list(proto.models),
                 "reserved_for": {"kind": shape.kind, "gpus": shape.gpus} if shape else None,
                 "progress": {str(i): p for i, p in self.d.progress.of(s.inflight).items()}}

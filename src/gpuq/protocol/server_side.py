@@ -232,16 +232,24 @@ class ServerProtocol:
         """Held jobs that started: whose attempt counts if the connection ends now."""
         return list(self.started) if self.version >= PREFETCH_SINCE else list(self.held)
 
-    def device_jobs(self) -> tuple[dict[int, int], dict[int, int]]:
-        """Device index -> the held job running there, and -> the held job waiting for it (version 6
-        prefetch; before version 5 every pushed job counts as running)."""
+    def device_status(self) -> list[dict[str, Any]]:
+        """Each device the agent offers, as /status and the dashboard show it: its memory, its last
+        reported usage, the held job running there (``job``) and the one waiting for it (``next``,
+        version 6 prefetch; before version 5 every pushed job counts as running)."""
         running: dict[int, int] = {}
         waiting: dict[int, int] = {}
         for job_id, given in self.devices_in_use.items():
             started = job_id in self.started or self.version < PREFETCH_SINCE
             for i in given:
                 (running if started else waiting)[i] = job_id
-        return running, waiting
+        out = []
+        for d in self.hello.devices if self.hello else ():
+            usage = self.usage.get(d.index)
+            out.append({"index": d.index, "name": d.name, "memory_mb": d.memory_mb,
+                        "memory_used_mb": usage.memory_used_mb if usage else None,
+                        "utilization": usage.utilization if usage else None,
+                        "job": running.get(d.index), "next": waiting.get(d.index)})
+        return out
 
     def free_devices(self, min_memory_mb: int = 0) -> list[int]:
         """Indices of the devices no held job was given, with at least ``min_memory_mb`` (none while

@@ -40,18 +40,10 @@ def agents(server: Any) -> list[dict[str, Any]]:
     out = []
     for s in server.d.sessions.values():
         proto = s.protocol
-        running, waiting = proto.device_jobs()
-        devices = []
-        for d in s.devices:
-            usage = proto.usage.get(d.index)
-            devices.append({"index": d.index, "name": d.name, "memory_mb": d.memory_mb,
-                            "memory_used_mb": usage.memory_used_mb if usage else None,
-                            "utilization": usage.utilization if usage else None, "busy": d.index in running,
-                            "job": running.get(d.index), "next": waiting.get(d.index)})
         beat = proto.last_heartbeat
         out.append({
             "id": s.id, "remote": s.remote, "kinds": sorted(s.kinds), "capacity": s.capacity,
-            "inflight": len(s.inflight), "devices": devices, "labels": list(proto.labels),
+            "inflight": len(s.inflight), "devices": proto.device_status(), "labels": list(proto.labels),
             "models": list(proto.models), "protocol": proto.version, "draining": s.draining,
             "last_heartbeat": None if beat is None else age(now - beat),
             "busy_fraction": slots.busy_fraction(*proto.busy.totals(now)),
