@@ -83,7 +83,9 @@ async def conn(server_dsn: str) -> AsyncIterator[asyncpg.Connection]:
     tx = c.transaction()
     await tx.start()
     try:
-        await c.execute("TRUNCATE gpuq.jobs, gpuq.attempts RESTART IDENTITY")  # what committed tests left
+        # What committed tests left: the jobs and every table a job or an admin command writes.
+        await c.execute("TRUNCATE gpuq.jobs, gpuq.attempts, gpuq.shapes, gpuq.limits, gpuq.paused_kinds, "
+                        "gpuq.kind_timeouts, gpuq.schedules RESTART IDENTITY")
         yield c
     finally:
         await tx.rollback()
