@@ -715,6 +715,8 @@ class JobFilter:
     error: str | None = None  # a substring of last_error
 
     def __post_init__(self) -> None:
+        if self.kind is not None and not is_kind(self.kind):
+            raise ValueError(f"bad job kind {self.kind!r}: {KIND_RULE}")
         if self.state is not None and self.state not in LIST_STATES:
             raise ValueError(f"state must be one of {', '.join(LIST_STATES)}, not {self.state!r}")
 

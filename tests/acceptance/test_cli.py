@@ -196,6 +196,8 @@ def test_list_jobs_from_the_shell_a_page_at_a_time(dsn):
     assert [j["id"] for j in page["jobs"]] == [ids[0]] and page["older"] is None
     res = gpuq("jobs", "--state", "running", env=env)
     assert res.returncode == 1 and "state must be one of" in res.stderr
+    res = gpuq("jobs", "--kind", "a b", env=env)
+    assert res.returncode == 1 and "bad job kind 'a b'" in res.stderr
 
 
 def test_schedule_add_list_and_remove_from_the_shell(dsn):

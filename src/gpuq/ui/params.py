@@ -49,8 +49,7 @@ def text_filter(params: dict[str, str], name: str) -> str | None:
 
 
 def job_filter(params: dict[str, str]) -> queue.JobFilter:
-    named = text_filter(params, "kind")
-    return queue.JobFilter(kind=None if named is None else checked_kind(named), state=params.get("state") or None,
+    return queue.JobFilter(kind=text_filter(params, "kind"), state=params.get("state") or None,
                            key=text_filter(params, "key"), error=text_filter(params, "error"))
 
 
