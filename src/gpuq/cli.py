@@ -515,7 +515,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         return 0
     rows: list[tuple[str, ...]] = [("id", "kind", "state", "attempts", "created", "error")]
     rows += [(str(j["id"]), j["kind"], j["status"], f"{j['attempts']}/{j['max_attempts']}",
-              j["created_at"].strftime("%Y-%m-%d %H:%M:%S"), (j["error"] or "").strip().split("\n")[-1][:60])
+              j["created_at"].strftime("%Y-%m-%d %H:%M:%S"), queue.error_line(j["error"])[:60])
              for j in page.jobs]
     print("\n".join(_table(rows, right={0, 3})))
     if page.searched_to:

@@ -760,6 +760,12 @@ def list_statement(which: JobFilter, before: int | None, limit: int) -> tuple[st
     return "jobs_recent", (top, max(0, top - LIST_WINDOW), which.kind, state, which.key, which.error, limit)
 
 
+def error_line(error: str | None) -> str:
+    """What a list shows of an error: its last line (a traceback's exception), or ""."""
+    lines = (error or "").strip().splitlines()
+    return lines[-1] if lines else ""
+
+
 def _indexed(which: JobFilter) -> bool:
     """Does the page read an index of its own (True), or walk recent ids from the newest?"""
     return (which.state is not None and which.state != "done") or which.key is not None

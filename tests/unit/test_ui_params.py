@@ -43,3 +43,11 @@ def test_retry_takes_one_id_or_a_failed_lists_filters():
     assert params.retry_filter({"state": "dead", "error": "OOM"}) == RetryFilter(error="OOM", state="dead")
     with pytest.raises(ValueError, match="dead, cancelled or failed"):
         params.retry_filter({"state": "pending", "kind": "train"})
+
+
+def test_a_list_shows_an_errors_last_line():
+    from gpuq.queue import error_line
+
+    assert error_line("Traceback (most recent call last):\n  File x\nRuntimeError: CUDA out of memory\n") == \
+        "RuntimeError: CUDA out of memory"
+    assert error_line(None) == error_line("  \n") == ""

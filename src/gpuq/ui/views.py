@@ -77,8 +77,7 @@ async def jobs(server: Any, which: queue.JobFilter, before: int | None) -> dict[
     last = await queue.last_agents(server.d.pool, gone) if gone else {}
     for j in page.jobs:
         j["leased_by"] = j["leased_by"] or last.get(j["id"])
-    for j in page.jobs:  # a traceback's last line says what happened
-        j["error"] = j["error"].strip().splitlines()[-1] if j["error"] and j["error"].strip() else j["error"]
+        j["error"] = queue.error_line(j["error"])  # a traceback's last line says what happened
     return {"jobs": page.jobs, "older": page.older, "searched_to": page.searched_to, "before": before,
             "filter": which, "retryable": which.state in ("dead", "cancelled", "failed")}
 
