@@ -26,7 +26,7 @@ import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from websockets.asyncio.client import ClientConnection, connect
@@ -34,6 +34,9 @@ from websockets.asyncio.client import ClientConnection, connect
 from gpuq.agent import Agent
 from gpuq.config import ServerConfig
 from gpuq.devdb import free_port
+
+if TYPE_CHECKING:
+    from gpuq.dispatcher import Tuning
 
 TOKEN = "test-token"
 KIND = "bench"
@@ -89,8 +92,9 @@ class Running:
 
 
 @contextlib.asynccontextmanager
-async def running_server(dsn: str, **overrides: Any) -> AsyncIterator[Running]:
+async def running_server(dsn: str, tuning: Tuning | None = None, **overrides: Any) -> AsyncIterator[Running]:
     """``gpuq.server.serve`` in this task group; its agents and itself stop on exit."""
+    from gpuq.dispatcher.tuning import TUNING_DEFAULT
     from gpuq.server import serve
 
     config = server_config(dsn, **overrides)
@@ -103,7 +107,7 @@ async def running_server(dsn: str, **overrides: Any) -> AsyncIterator[Running]:
         got_port.set()
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(lambda: serve(config, stop=stop, on_ready=on_ready))
+        tg.start_soon(lambda: serve(config, stop=stop, on_ready=on_ready, tuning=tuning or TUNING_DEFAULT))
         with anyio.fail_after(15):
             await got_port.wait()
         run = Running(ready[0], config, stop, tg)

@@ -25,19 +25,18 @@ from websockets.http11 import Request, Response
 
 from gpuq import db, logs, metrics, queue
 from gpuq.config import ConfigError, ServerConfig
-from gpuq.dispatcher import AgentSession, Dispatcher
+from gpuq.dispatcher import AgentSession, Dispatcher, Tuning
+from gpuq.dispatcher.tuning import TUNING_DEFAULT
+from gpuq.fleet import Fleet
 from gpuq.maintenance import Maintainer
 from gpuq.migrate import pending_migrations
-from gpuq.protocol import CloseCode, Welcome, server_side, slots
+from gpuq.protocol import CloseCode, Welcome, server_side
 from gpuq.protocol.server_side import ServerProtocol
 from gpuq.sql import queries
 from gpuq.ui.web import LIVE_PATH, UI, Dashboard
 
 log = logs.get("server")
 
-# Module settings so tests can shorten them; the rules are in protocol/server_side.py.
-HELLO_TIMEOUT_SECONDS = server_side.HELLO_TIMEOUT_SECONDS
-MAX_ERRORS_PER_CONNECTION = server_side.MAX_ERRORS_PER_CONNECTION
 AGENT_PATH = "/agent"
 JOBS_PATH = "/jobs/"
 
@@ -45,10 +44,12 @@ JOBS_PATH = "/jobs/"
 class AgentServer:
     """Websocket + HTTP front of one dispatcher."""
 
-    def __init__(self, dispatcher: Dispatcher, config: ServerConfig, tls: bool = False):
-        self.d = dispatcher
+    def __init__(self, dispatcher: Dispatcher, config: ServerConfig, tls: bool = False, tuning: Tuning = TUNING_DEFAULT):
+        self.dispatcher = dispatcher
+        self.fleet = Fleet(dispatcher)
         self.config = config
-        self.ui = Dashboard(self, config.ui_tokens, config.ui_admin_tokens, tls, config.ui_sample_seconds)
+        self.tuning = tuning
+        self.ui = Dashboard(self.fleet, config.ui_tokens, config.ui_admin_tokens, tls, config.ui_sample_seconds)
         self._per_ip: dict[str, int] = {}
         self._connections = 0
 
@@ -78,19 +79,19 @@ class AgentServer:
                              json.dumps(detail).encode(), "application/json")
         if path == "/status":
             try:
-                body = await self.status()
+                body = await self.fleet.status()
             except db.RETRYABLE_ERRORS as exc:
                 return _response(HTTPStatus.SERVICE_UNAVAILABLE,
                                  json.dumps({"error": f"database unavailable: {exc}"}).encode(), "application/json")
             return _response(HTTPStatus.OK, json.dumps(body).encode(), "application/json")
         if path == "/metrics":
             try:
-                counts = await queue.status_counts(self.d.pool)
+                counts = await queue.status_counts(self.dispatcher.pool)
                 for status in queue.LIVE_STATES:
                     metrics.QUEUE_DEPTH.labels(status=status).set(counts.total(status))
             except db.RETRYABLE_ERRORS:
                 pass  # the rest of the metrics are still worth serving
-            metrics.show_devices((s.id, s.devices, s.protocol.usage) for s in self.d.sessions.values())
+            metrics.show_devices(self.fleet.devices())
             return _response(HTTPStatus.OK, generate_latest(metrics.REGISTRY), CONTENT_TYPE_LATEST)
         return _response(HTTPStatus.NOT_FOUND, b"not found: try /ui, /agent, /healthz, /status, /metrics, /jobs/ID\n",
                          "text/plain")
@@ -104,7 +105,7 @@ class AgentServer:
         if not tail.isdigit() or not 0 < int(tail) < 2**63:
             return _response(HTTPStatus.BAD_REQUEST, b"expected /jobs/<job id>\n", "text/plain")
         try:
-            job = await queue.show(self.d.pool, int(tail))
+            job = await queue.show(self.dispatcher.pool, int(tail))
         except db.RETRYABLE_ERRORS as exc:
             return _response(HTTPStatus.SERVICE_UNAVAILABLE,
                              json.dumps({"error": f"database unavailable: {exc}"}).encode(), "application/json")
@@ -126,46 +127,14 @@ class AgentServer:
         db_ok = True
         try:
             with anyio.fail_after(2):
-                await self.d.pool.fetchval(queries["ping"])
+                await self.dispatcher.pool.fetchval(queries["ping"])
         except db.RETRYABLE_ERRORS + (TimeoutError,):
             db_ok = False
         polling = self.config.listen_url is None  # poll-only: nothing to listen on
-        ok = db_ok and (self.d.listening or polling) and not self.d.stopping
-        return ok, {"ok": ok, "database": db_ok, "listening": self.d.listening, "poll_only": polling,
-                    "draining": self.d.stopping}
-
-    async def status(self) -> dict[str, Any]:
-        counts = await queue.status_counts(self.d.pool)
-        body = counts.as_dict()
-        body["agents"] = [self._agent_status(s) for s in self.d.sessions.values()]
-        body["unplaceable"] = await self.d.unplaceable()
-        body["limits"] = await queue.limits(self.d.pool)
-        body["agents_connected"] = len(self.d.sessions)
-        body["slots"] = self.slots_status()
-        return body
-
-    def slots_status(self) -> dict[str, Any]:
-        """The fleet's busy fraction over the last minute: handler time over handler time plus the
-        idle gaps while work waited, as this server's protocol 6 agents reported them."""
-        now = time.monotonic()
-        busy = idle = 0.0
-        for s in self.d.sessions.values():
-            b, i = s.protocol.busy.totals(now)
-            busy, idle = busy + b, idle + i
-        return {"busy_fraction": slots.busy_fraction(busy, idle), "busy_seconds": round(busy / 1000, 3),
-                "gap_seconds": round(idle / 1000, 3), "window_seconds": slots.BUSY_WINDOW_SECONDS}
-
-    def _agent_status(self, s: AgentSession) -> dict[str, Any]:
-        proto = s.protocol
-        reserved = self.d.reserved.get(s.id)
-        shape = self.d.shape(reserved) if reserved else None
-        return {"agent": s.id, "kinds": sorted(s.kinds), "capacity": s.capacity, "prefetch": proto.prefetch,
-                "inflight": len(s.inflight), "unstarted": len(proto.unstarted()),
-                "busy_fraction": slots.busy_fraction(*proto.busy.totals(time.monotonic())),
-                "draining": s.draining, "protocol": proto.version, "remote": s.remote, "devices": proto.device_status(),
-                "labels": list(proto.labels), "models": list(proto.models),
-                "reserved_for": {"kind": shape.kind, "gpus": shape.gpus} if shape else None,
-                "progress": {str(i): p for i, p in self.d.progress.of(s.inflight).items()}}
+        d = self.dispatcher
+        ok = db_ok and (d.listening or polling) and not d.stopping
+        return ok, {"ok": ok, "database": db_ok, "listening": d.listening, "poll_only": polling,
+                    "draining": d.stopping}
 
     # -- websocket: one agent connection ---------------------------------
     # This layer only pumps frames: every rule of the connection is in
@@ -189,7 +158,8 @@ class AgentServer:
     async def _handle(self, ws: ServerConnection) -> None:
         proto = ServerProtocol(max_payload=self.config.max_payload, now=time.monotonic(),
                                max_messages_per_second=self.config.max_messages_per_second,
-                               hello_timeout=HELLO_TIMEOUT_SECONDS, max_errors=MAX_ERRORS_PER_CONNECTION)
+                               hello_timeout=self.tuning.hello_timeout_seconds,
+                               max_errors=self.tuning.max_errors_per_connection)
         if not await self._hello(ws, proto):
             return
         wake = [anyio.Event()]  # the writer replaces it each time it wakes
@@ -197,18 +167,18 @@ class AgentServer:
         def flush() -> None:
             wake[0].set()
 
-        session = AgentSession(proto, flush=flush, close=ws.close, remote=_remote(ws))
+        session = AgentSession(proto, flush=flush, remote=_remote(ws))
         proto.accept(Welcome(session.id, self.config.lease_seconds, self.config.heartbeat_seconds,
                              self.config.max_payload, proto.version))
         await _send_all(ws, proto)
-        self.d.register(session)
+        self.dispatcher.register(session)
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_writer, ws, proto, wake)
                 await self._reader(ws, session)
                 tg.cancel_scope.cancel()
         finally:
-            await self.d.unregister(session)
+            await self.dispatcher.unregister(session)
 
     async def _hello(self, ws: ServerConnection, proto: ServerProtocol) -> bool:
         """Wait for the hello until its deadline; True once the connection is open."""
@@ -226,31 +196,29 @@ class AgentServer:
         try:
             async for frame in ws:
                 for event in proto.receive(frame, time.monotonic()):
-                    await self._on_event(session, event)
+                    self._on_event(session, event)
                 session.flush()
                 if await _close_if_asked(ws, proto):
                     return
         except ConnectionClosed:
             pass
 
-    async def _on_event(self, session: AgentSession, event: server_side.Event) -> None:
+    def _on_event(self, session: AgentSession, event: server_side.Event) -> None:
+        """Hand one event to the dispatcher; none waits on the database."""
+        d = self.dispatcher
         if isinstance(event, server_side.OutcomesReceived):
             # Fenced in the database by the lease token; acked either way.
-            self.d.submit(session, event.outcomes, event.freed)
+            d.submit(session, event.outcomes, event.freed)
         elif isinstance(event, server_side.HeartbeatReceived):
-            try:
-                await self.d.heartbeat(session, event.ids)
-            except db.RETRYABLE_ERRORS as exc:
-                # The database is away: the next heartbeat extends the lease.
-                log.warning("heartbeat.failed", agent=session.id, error=str(exc))
+            d.heartbeat(session, event.ids)
         elif isinstance(event, server_side.DrainRequested):
-            self.d.set_draining(session)
+            log.info("agent.draining", agent=session.id, inflight=len(session.inflight))
         elif isinstance(event, server_side.ProgressReceived):
-            self.d.report_progress(event.updates)
+            d.report_progress(event.updates)
         elif isinstance(event, server_side.AgentUpdated):
-            self.d.agent_updated(session)
+            d.agent_updated(session)
         elif isinstance(event, server_side.JobsReleased):
-            await self.d.released(session, event.jobs)
+            d.released(session, event.jobs)
         elif isinstance(event, server_side.SlotsReported):
             metrics.SLOT_GAPS.add(event.report)
         else:
@@ -325,6 +293,7 @@ async def serve(
     stop: anyio.Event | None = None,
     on_ready: Callable[[int], None] | None = None,
     tls: ssl.SSLContext | None = None,
+    tuning: Tuning = TUNING_DEFAULT,
 ) -> None:
     """Run dispatcher + sweeper + server until ``stop`` is set, then drain and return."""
     if not config.tokens:
@@ -336,8 +305,8 @@ async def serve(
         async with pool.acquire() as conn:
             if missing := await pending_migrations(conn):
                 raise ConfigError(f"the database is not migrated (missing {', '.join(missing)}): run `gpuq migrate`")
-        dispatcher = Dispatcher(pool, config)
-        front = AgentServer(dispatcher, config, tls=tls is not None)
+        dispatcher = Dispatcher(pool, config, tuning)
+        front = AgentServer(dispatcher, config, tls=tls is not None, tuning=tuning)
         maintainer = Maintainer.standard(pool, config.sweep_seconds, config.retention_seconds)
         async with anyio.create_task_group() as tg:
             tg.start_soon(dispatcher.run)

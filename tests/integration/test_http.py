@@ -4,7 +4,7 @@ import json
 
 import anyio
 
-from gpuq import dispatcher as dispatcher_module
+from gpuq import db
 from gpuq.db import DatabaseUnavailable
 from gpuq.harness import http_get, running_server
 from tests.helpers import wait_count
@@ -57,19 +57,19 @@ async def test_healthz_turns_503_while_the_listen_connection_is_down(dsn, pool, 
         with anyio.fail_after(5):
             while (await http_get(srv.http + "/healthz"))[0] != 200:
                 await anyio.sleep(0.05)
-        real_connect = dispatcher_module.db.connect
+        real_connect = db.connect
 
         async def refuse(*args, **kwargs):
             raise DatabaseUnavailable("injected: LISTEN reconnect refused")
 
         # Fault injection: the LISTEN connection dies and cannot come back.
-        monkeypatch.setattr(dispatcher_module.db, "connect", refuse)
+        monkeypatch.setattr(db, "connect", refuse)
         await pool.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query ILIKE 'LISTEN%'")
         with anyio.fail_after(5):
             while (res := await http_get(srv.http + "/healthz"))[0] != 503:
                 await anyio.sleep(0.05)
         assert json.loads(res[2]) == {"ok": False, "database": True, "listening": False, "poll_only": False, "draining": False}
-        monkeypatch.setattr(dispatcher_module.db, "connect", real_connect)
+        monkeypatch.setattr(db, "connect", real_connect)
         with anyio.fail_after(10):
             while (await http_get(srv.http + "/healthz"))[0] != 200:
                 await anyio.sleep(0.1)

@@ -166,13 +166,10 @@ async def test_completer_isolates_an_outcome_the_database_refuses(pool):
         jobs = (await queue.lease(conn, ["train"], 2, "s#1", LEASE)).jobs
     sent: list[str] = []
 
-    async def close(code, reason):
-        return None
-
     d = Dispatcher(pool, server_config("unused"))
     proto = ServerProtocol(max_payload=1 << 20, max_messages_per_second=100, now=0.0)
     proto.receive(encode(Hello("s", ("train",), 2)), 0.0)
-    session = AgentSession(proto, flush=lambda: sent.extend(proto.frames_to_send()), close=close, id="s#1")
+    session = AgentSession(proto, flush=lambda: sent.extend(proto.frames_to_send()), id="s#1")
     d.completer.done += [(session, Done(jobs[0].id, jobs[0].lease_token, {"t": "nul\x00"}), "train"),
                          (session, Done(jobs[1].id, jobs[1].lease_token, {"t": "fine"}), "train")]
     await d.completer.flush()

@@ -7,7 +7,8 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from gpuq import protocol, server
+from gpuq import protocol
+from gpuq.dispatcher import Tuning
 from gpuq.harness import TOKEN, next_of, raw_agent, raw_agent_with_jobs, running_server
 from tests.helpers import sets
 
@@ -88,9 +89,8 @@ async def test_a_bad_hello_closes_the_connection(dsn, hello, close_code):
         assert await _closed_with(ws) == close_code
 
 
-async def test_silent_clients_are_closed_after_the_hello_timeout(dsn, monkeypatch):
-    monkeypatch.setattr(server, "HELLO_TIMEOUT_SECONDS", 0.3)
-    async with running_server(dsn) as srv:
+async def test_silent_clients_are_closed_after_the_hello_timeout(dsn):
+    async with running_server(dsn, tuning=Tuning(hello_timeout_seconds=0.3)) as srv:
         ws = await connect(srv.url, additional_headers=AUTH)
         assert await _closed_with(ws) == protocol.CloseCode.HELLO_TIMEOUT
 

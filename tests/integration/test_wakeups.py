@@ -12,6 +12,7 @@ import anyio
 import asyncpg
 
 from gpuq import db, metrics, queue
+from gpuq.dispatcher import Tuning
 from gpuq.harness import running_server
 from tests.conftest import Notifications
 
@@ -104,11 +105,10 @@ def lapsed_arms() -> float:
     return metrics.REGISTRY.get_sample_value("gpuq_wakeup_arms_total", {"lapsed": "true"}) or 0.0
 
 
-async def test_a_job_committed_as_the_dispatcher_goes_idle_needs_no_poll(dsn, pool, monkeypatch):
+async def test_a_job_committed_as_the_dispatcher_goes_idle_needs_no_poll(dsn, pool):
     """The race itself: an insert reads a lapsed mark (no NOTIFY) while the
     dispatcher is busy, then commits only after the dispatcher has gone idle.
     The poll is a minute away, so only the handshake can deliver it in time."""
-    monkeypatch.setattr("gpuq.dispatcher.WAKE_MARK_MS", 300)  # lapses within the busy stream
     delivered: dict[str, anyio.Event] = {"slow": anyio.Event()}
 
     async def handle(job):
@@ -126,7 +126,8 @@ async def test_a_job_committed_as_the_dispatcher_goes_idle_needs_no_poll(dsn, po
 
     try:
         # Busy polls far apart enough that each finds some of the stream's jobs.
-        async with running_server(dsn, poll_seconds=60, busy_poll_seconds=0.03) as srv:
+        async with running_server(dsn, poll_seconds=60, busy_poll_seconds=0.03,
+                                  tuning=Tuning(wake_mark_ms=300)) as srv:  # lapses within the busy stream
             await srv.agent(["fast", "slow"], 64, handle)
             before = lapsed_arms()
             async with anyio.create_task_group() as tg:
@@ -155,10 +156,9 @@ async def test_a_job_committed_as_the_dispatcher_goes_idle_needs_no_poll(dsn, po
         await listener.close()
 
 
-async def test_producers_racing_an_idling_dispatcher_lose_no_wake_up(dsn, pool, monkeypatch):
+async def test_producers_racing_an_idling_dispatcher_lose_no_wake_up(dsn, pool):
     """Many producers, bursts and gaps, transactions held open a little, a few
     priorities: every job arrives within seconds although the poll is a minute away."""
-    monkeypatch.setattr("gpuq.dispatcher.WAKE_MARK_MS", 30)
     seen: set[int] = set()
     all_seen = anyio.Event()
     total = 8 * 40
@@ -178,7 +178,7 @@ async def test_producers_racing_an_idling_dispatcher_lose_no_wake_up(dsn, pool, 
                         await asyncio.sleep(rng.uniform(0, 0.03))  # commit late: a straggler
                 await asyncio.sleep(rng.choice([0, 0.001, 0.005, 0.02, 0.06]))  # bursts and idle gaps
 
-    async with running_server(dsn, poll_seconds=60) as srv:
+    async with running_server(dsn, poll_seconds=60, tuning=Tuning(wake_mark_ms=30)) as srv:
         await srv.agent(["work"], 32, handle)
         async with anyio.create_task_group() as tg:
             for seed in range(8):
@@ -195,28 +195,36 @@ async def test_a_lowered_floor_rewinds_at_once_and_as_each_insert_that_read_the_
     the cursor: the kind starts from the top again at once, and again as soon
     as each transaction writing jobs when the floor moved ends."""
     from gpuq.config import ServerConfig
-    from gpuq.dispatcher import Dispatcher
+    from gpuq.dispatcher.groups import GroupLeases
+    from gpuq.dispatcher.sessions import Sessions
+    from gpuq.dispatcher.wakeups import Pass
 
-    d = Dispatcher(pool, ServerConfig(database_url=dsn, poll_seconds=60))
-    d._listen_pid = live_conn.get_server_pid()
-    d._notified_all = d._rewind_all = False
-    d._cursors = {"a": (5, 10), "b": (0, 10)}
-    await d._record_floors(d._cursors)  # first floors: nobody writing, a rewind and nothing to wait for
-    assert d._cursors == {} and d._confirm == []
+    g = GroupLeases(pool, ServerConfig(database_url=dsn, poll_seconds=60), Tuning(),
+                    listen_pid=live_conn.get_server_pid, recheck=lambda kinds: None)
+    c = g.cursors
+
+    async def lease_to(**cursors):  # what a lease that moved the cursors there records
+        await g._record_floors(c.leased(cursors, c.rewinds))
+
+    async def a_pass():
+        async for _jobs in g.lease(Sessions(), Pass(), listening=True, stopping=lambda: False):
+            pass
+
+    await lease_to(a=(5, 10), b=(0, 10))  # first floors: nobody writing, a rewind and nothing to wait for
+    assert c.cursors == {} and c.confirm == []
     producer = await db.connect(dsn)
     try:
         tx = producer.transaction()
         await tx.start()
         await producer.execute("INSERT INTO gpuq.jobs (kind, priority) VALUES ('a', 3)")  # reads floor 5
-        d._cursors = {"a": (0, 20), "b": (0, 20)}
-        await d._record_floors(d._cursors)  # a: 5 -> 0, its job lands behind the cursor
-        assert d._cursors == {"b": (0, 20)}
-        d._cursors["a"] = (0, 30)  # the next lease moved it on while the producer's commit is pending
-        await d._lease_pass()
-        assert d._cursors == {"a": (0, 30), "b": (0, 20)}  # nothing ended: nothing new behind it
+        await lease_to(a=(0, 20), b=(0, 20))  # a: 5 -> 0, its job lands behind the cursor
+        assert c.cursors == {"b": (0, 20)}
+        c.cursors["a"] = (0, 30)  # the next lease moved it on while the producer's commit is pending
+        await a_pass()
+        assert c.cursors == {"a": (0, 30), "b": (0, 20)}  # nothing ended: nothing new behind it
         await tx.commit()
-        await d._lease_pass()
-        assert d._cursors == {"b": (0, 20)} and d._confirm == []
+        await a_pass()
+        assert c.cursors == {"b": (0, 20)} and c.confirm == []
         assert await live_conn.fetchval("SELECT priority FROM gpuq.lease_floors WHERE kind = 'a'") == 0
     finally:
         await producer.close()
@@ -267,18 +275,17 @@ async def test_the_wake_up_path_never_plans_a_scan_the_guards_price_out(live_con
     assert await live_conn.fetchval("SHOW jit") == "off"
 
 
-async def test_the_mark_stays_armed_while_a_shapes_read_is_throttled(dsn, pool, monkeypatch):
+async def test_the_mark_stays_armed_while_a_shapes_read_is_throttled(dsn, pool):
     """A notification asks for the shapes; the read is throttled, so the dispatcher
     waits for it. That wait must arm the mark like any other: a job inserted
     meanwhile notifies and is leased at once, not when the throttle ends."""
-    monkeypatch.setattr("gpuq.dispatcher.WAKE_MARK_MS", 30)  # lapses long before the throttle ends
-    monkeypatch.setattr("gpuq.dispatcher.SHAPES_SECONDS", 30.0)
     arrived: dict[int, anyio.Event] = {}
 
     async def handle(job):
         arrived.setdefault(job.id, anyio.Event()).set()
 
-    async with running_server(dsn, poll_seconds=60) as srv:
+    # The mark lapses long before the throttle ends.
+    async with running_server(dsn, poll_seconds=60, tuning=Tuning(wake_mark_ms=30, shapes_seconds=30.0)) as srv:
         await srv.agent(["work"], 4, handle)
         for _ in range(3):  # the first read is free; each later one waits out the throttle
             job_id = await pool.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('work') RETURNING id")

@@ -1,5 +1,10 @@
 """The NOTIFY payload's grammar: what each notification tells a dispatcher's lease cursors."""
 
+from gpuq import queue
+from gpuq.config import ServerConfig
+from gpuq.dispatcher.cursors import Cursors
+from gpuq.dispatcher.tuning import Tuning
+from gpuq.dispatcher.wakeups import Pass, Wakeups
 from gpuq.queue import Wakeup, parse_wakeup
 
 
@@ -27,63 +32,65 @@ def test_a_plus_is_new_jobs_of_any_kind_ahead_of_the_cursors():
     assert parse_wakeup("+") == Wakeup({}, every=True, rewind=False)
 
 
+def wakeups(cursors: Cursors | None = None, cancelled: list[int] | None = None) -> Wakeups:
+    """A dispatcher's wake-ups with no pool, whose announced kinds move ``cursors``."""
+    cursors = cursors or Cursors(0.0)
+    w = Wakeups(None, ServerConfig(database_url="postgresql://unused", poll_seconds=2), Tuning(),
+                on_kind=cursors.announced, on_cancel=(cancelled if cancelled is not None else []).extend)
+    w.take()  # the first pass's "everything"
+    return w
+
+
 async def test_a_plus_wakes_every_group_and_keeps_the_cursors():
-    d = dispatcher({"a": (0, 50)})
-    d._on_notify(None, 0, "gpuq_jobs", "+")
-    assert d._notified_all and not d._rewind_all and d._cursors == {"a": (0, 50)}
-    d._on_notify(None, 0, "gpuq_jobs", "*")
-    assert d._rewind_all
-
-
-def dispatcher(cursors=None, listening=False):
-    """A dispatcher with no pool and no agents, nothing pending, and these cursors."""
-    from gpuq.config import ServerConfig
-    from gpuq.dispatcher import Dispatcher
-
-    d = Dispatcher(None, ServerConfig(database_url="postgresql://unused", poll_seconds=2))
-    d._notified_all = d._rewind_all = False
-    d._cursors = dict(cursors or {})
-    d.listening = listening
-    return d
+    c = Cursors(0.0)
+    c.cursors = {"a": (0, 50)}
+    w = wakeups(c)
+    w.on_notify(None, 0, "gpuq_jobs", "+")
+    why = await w.wait(any_room=True, placing_wait=lambda: None)
+    assert why is not None and why.every and not why.rewind and c.cursors == {"a": (0, 50)}
+    w.on_notify(None, 0, "gpuq_jobs", "*")
+    assert w.take().rewind
 
 
 async def test_a_notification_drops_the_cursors_it_puts_jobs_behind():
-    d = dispatcher()
-    d._cursors = {"a": (0, 50), "b": (0, 50), "c": (5, 50), "d": (0, 9)}
-    d._on_notify(None, 0, "gpuq_jobs", "a@0,b@3,c!,other@1")
+    c = Cursors(0.0)
+    c.cursors = {"a": (0, 50), "b": (0, 50), "c": (5, 50), "d": (0, 9)}
+    w = wakeups(c)
+    w.on_notify(None, 0, "gpuq_jobs", "a@0,b@3,c!,other@1")
     # a@0: new jobs of the cursor's priority land ahead of it; b@3: above it; c!: moved back
-    assert d._cursors == {"a": (0, 50), "d": (0, 9)}
-    assert {"a", "b", "c", "other"} <= d._notified
+    assert c.cursors == {"a": (0, 50), "d": (0, 9)}
+    why = w.take()
+    assert why.kinds == {"a", "b", "c", "other"} and not why.every
 
 
-async def test_cursors_are_dropped_every_poll_while_polling_only():
-    import time
-
-    d = dispatcher({"a": (0, 50)})
-    await d._lease_pass()  # nothing connected: only the bookkeeping runs
-    assert d._cursors == {"a": (0, 50)}
-    d._cursors_since = time.monotonic() - 3  # past poll_seconds
-    await d._lease_pass()
-    assert d._cursors == {}
+async def test_a_cancel_goes_to_the_agents_and_wakes_no_pass():
+    cancelled: list[int] = []
+    w = wakeups(cancelled=cancelled)
+    w.on_notify(None, 0, "gpuq_jobs", queue.CANCEL_PREFIX + "7,9")
+    assert cancelled == [7, 9]
+    assert w.take() == Pass()
 
 
-async def test_a_listening_dispatcher_keeps_its_cursors_through_polls_for_rewind_polls():
-    import time
-
-    from gpuq.dispatcher import REWIND_POLLS
-
-    d = dispatcher({"a": (0, 50)}, listening=True)
-    d._cursors_since = time.monotonic() - 3  # past poll_seconds, not past REWIND_POLLS of them
-    d.wake_all()  # a poll looks at every group: it does not rewind
-    await d._lease_pass()
-    assert d._cursors == {"a": (0, 50)}
-    d._cursors_since = time.monotonic() - 2 * REWIND_POLLS - 1
-    await d._lease_pass()
-    assert d._cursors == {}
+async def test_reasons_gathered_between_passes_are_taken_once():
+    w = wakeups()
+    w.credit_freed(frozenset({"a"}))
+    w.recheck({"b"})
+    why = await w.wait(any_room=True, placing_wait=lambda: None)
+    assert why == Pass(kinds={"b"}, credit={frozenset({"a"})})
+    assert w.take() == Pass()
 
 
-async def test_a_reconnect_or_a_star_rewinds_every_cursor():
-    d = dispatcher({"a": (0, 50)}, listening=True)
-    d._on_notify(None, 0, "gpuq_jobs", "*")
-    await d._lease_pass()
-    assert d._cursors == {}
+async def test_with_no_room_and_nothing_announced_a_wait_waits():
+    import anyio
+
+    w = wakeups()
+    with anyio.move_on_after(0.05) as scope:
+        await w.wait(any_room=False, placing_wait=lambda: None)
+    assert scope.cancelled_caught  # no mark to arm, no poll: only freed credit wakes it
+
+
+async def test_a_pass_placement_asks_for_runs_without_a_wake_up():
+    w = wakeups()
+    w.listening = True  # and the last poll just now: no poll is due
+    why = await w.wait(any_room=False, placing_wait=lambda: 0.0)
+    assert why is not None and not why.every and not why.polled

@@ -7,19 +7,18 @@ agents from the dispatcher's memory (docs/design.md, "Dashboard").
 from __future__ import annotations
 
 import json
-import time
 from datetime import UTC, datetime
 from typing import Any
 
 from gpuq import queue, schedules
-from gpuq.protocol import slots
+from gpuq.fleet import Fleet
 
 
-async def overview(server: Any) -> dict[str, Any]:
+async def overview(fleet: Fleet) -> dict[str, Any]:
     """Per kind: pending, leased, scheduled, paused, unplaceable, the oldest pending job's age;
     the fleet: agents, busy fraction."""
-    counts = await queue.status_counts(server.d.pool)
-    unplaceable = await server.d.unplaceable()
+    counts = await queue.status_counts(fleet.pool)
+    unplaceable = await fleet.unplaceable()
     kinds = sorted({k for by_kind in counts.live.values() for k in by_kind} | set(counts.paused) | set(unplaceable))
     rows = [{
         "kind": k,
@@ -30,25 +29,13 @@ async def overview(server: Any) -> dict[str, Any]:
         "unplaceable": sum(u["pending"] for u in unplaceable.get(k, [])),
         "oldest_pending": age(counts.oldest_pending_by_kind.get(k)),
     } for k in kinds]
-    return {"kinds": rows, "agents": len(server.d.sessions), "history_estimate": counts.history_estimate,
-            "busy_fraction": server.slots_status()["busy_fraction"], "read_at": datetime.now(UTC)}
+    return {"kinds": rows, "agents": fleet.agent_count, "history_estimate": counts.history_estimate,
+            "busy_fraction": fleet.busy()["busy_fraction"], "read_at": datetime.now(UTC)}
 
 
-def agents(server: Any) -> list[dict[str, Any]]:
+def agents(fleet: Fleet) -> list[dict[str, Any]]:
     """Every agent connected to this server, as an operator reads it."""
-    now = time.monotonic()
-    out = []
-    for s in server.d.sessions.values():
-        proto = s.protocol
-        beat = proto.last_heartbeat
-        out.append({
-            "id": s.id, "remote": s.remote, "kinds": sorted(s.kinds), "capacity": s.capacity,
-            "inflight": len(s.inflight), "devices": proto.device_status(), "labels": list(proto.labels),
-            "models": list(proto.models), "protocol": proto.version, "draining": s.draining,
-            "last_heartbeat": None if beat is None else age(now - beat),
-            "busy_fraction": slots.busy_fraction(*proto.busy.totals(now)),
-        })
-    return sorted(out, key=lambda a: a["id"])
+    return [{**a, "last_heartbeat": age(a["last_heartbeat_seconds"])} for a in fleet.agents()]
 
 
 def age(seconds: float | None) -> str | None:
@@ -69,12 +56,12 @@ SHOWN_CHARS = 64_000
 STATES = ("", *queue.LIST_STATES)  # "" = any
 
 
-async def jobs(server: Any, which: queue.JobFilter, before: int | None) -> dict[str, Any]:
+async def jobs(fleet: Fleet, which: queue.JobFilter, before: int | None) -> dict[str, Any]:
     """One page of the job list (keyset: ``before`` is the id the page starts below)."""
-    page = await queue.list_jobs(server.d.pool, which, before)
+    page = await queue.list_jobs(fleet.pool, which, before)
     # A job that failed or was lost no longer names its agent: the list shows its last attempt's.
     gone = [j["id"] for j in page.jobs if j["leased_by"] is None and j["attempts"]]
-    last = await queue.last_agents(server.d.pool, gone) if gone else {}
+    last = await queue.last_agents(fleet.pool, gone) if gone else {}
     for j in page.jobs:
         j["leased_by"] = j["leased_by"] or last.get(j["id"])
         j["error"] = queue.error_line(j["error"])  # a traceback's last line says what happened
@@ -82,12 +69,12 @@ async def jobs(server: Any, which: queue.JobFilter, before: int | None) -> dict[
             "filter": which, "retryable": which.state in ("dead", "cancelled", "failed")}
 
 
-async def job(server: Any, job_id: int) -> dict[str, Any] | None:
+async def job(fleet: Fleet, job_id: int) -> dict[str, Any] | None:
     """One job as its page shows it: every column, its attempts, the one running or done last."""
-    shown = await queue.show(server.d.pool, job_id)
+    shown = await queue.show(fleet.pool, job_id)
     if shown is None:
         return None
-    tried = await queue.attempts(server.d.pool, job_id)
+    tried = await queue.attempts(fleet.pool, job_id)
     if shown["status"] in ("leased", "done") and shown["started_at"] is not None:
         tried.append({"attempt": shown["attempts"], "agent": shown["leased_by"], "started_at": shown["started_at"],
                       "ended_at": shown["finished_at"], "error": None,
@@ -107,10 +94,10 @@ def pretty(value: Any) -> str | None:
     return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + f"\n… ({len(text) - SHOWN_CHARS} more characters)"
 
 
-async def controls(server: Any) -> dict[str, Any]:
+async def controls(fleet: Fleet) -> dict[str, Any]:
     """What operators set with the CLI: paused kinds, limits (with what runs under each), kinds'
     default timeouts, periodic jobs. Small tables; a limit's count reads the leased partial indexes."""
-    pool = server.d.pool
+    pool = fleet.pool
     return {"paused": await queue.paused(pool), "limits": await queue.limits(pool),
             "timeouts": await queue.kind_timeouts(pool), "schedules": await schedules.listing(pool)}
 

@@ -30,6 +30,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from gpuq import db, logs, queue
+from gpuq.fleet import Fleet
 from gpuq.loops import run_every
 from gpuq.ui import actions, auth, params, views
 from gpuq.ui.shared import Shared
@@ -73,15 +74,15 @@ _templates.filters["when"] = views.when
 
 
 class Dashboard:
-    """/ui for one ``AgentServer`` (what it reads: ``d``, the dispatcher, and ``slots_status()``)."""
+    """/ui for one server: what it shows of the agents comes from the fleet read model."""
 
-    def __init__(self, server: Any, read_tokens: frozenset[str], admin_tokens: frozenset[str], tls: bool,
+    def __init__(self, fleet: Fleet, read_tokens: frozenset[str], admin_tokens: frozenset[str], tls: bool,
                  sample_seconds: float = 10.0):
-        self.server = server
+        self.fleet = fleet
         self.keys = auth.Keys(read_tokens, admin_tokens)
         self.tls = tls
-        self.trend = Trend(server.d.latency, sample_seconds)
-        server.d.latency.enabled = self.keys.enabled  # its figures cost a little: only for a dashboard
+        self.trend = Trend(fleet.latency, sample_seconds)
+        fleet.latency.enabled = self.keys.enabled  # its figures cost a little: only for a dashboard
         self.shared = Shared(LIVE_SECONDS)
         self._pages: dict[str, Callable[[auth.Session, dict[str, str]], Awaitable[Response]]] = {
             "/ui": self._overview_page, "/ui/agents": self._agents_page, "/ui/jobs": self._jobs_page,
@@ -90,21 +91,21 @@ class Dashboard:
     # Every page and live socket reads through ``shared``: one read per key a second, however many look.
 
     async def _overview(self) -> dict[str, Any]:
-        return await self.shared.get("overview", lambda: views.overview(self.server))
+        return await self.shared.get("overview", lambda: views.overview(self.fleet))
 
     async def _jobs(self, which: queue.JobFilter, before: int | None) -> dict[str, Any]:
-        return await self.shared.get(("jobs", which, before), lambda: views.jobs(self.server, which, before))
+        return await self.shared.get(("jobs", which, before), lambda: views.jobs(self.fleet, which, before))
 
     async def _controls(self) -> dict[str, Any]:
-        return await self.shared.get("controls", lambda: views.controls(self.server))
+        return await self.shared.get("controls", lambda: views.controls(self.fleet))
 
     async def _job(self, job_id: int) -> dict[str, Any] | None:
-        return await self.shared.get(("job", job_id), lambda: views.job(self.server, job_id))
+        return await self.shared.get(("job", job_id), lambda: views.job(self.fleet, job_id))
 
     async def sample_forever(self) -> None:
         """Take the overview's samples (``trend``) until cancelled; a database outage is retried."""
         async def sample() -> None:
-            self.trend.take(await queue.status_counts(self.server.d.pool))
+            self.trend.take(await queue.status_counts(self.fleet.pool))
 
         await run_every(self.trend.sample_seconds, sample, errors=db.RETRYABLE_ERRORS,
                         on_error=lambda exc, delay: log.warning("ui.sample_failed", error=str(exc), retry_in=delay))
@@ -165,7 +166,7 @@ class Dashboard:
         if not session.admin:
             return _text(HTTPStatus.FORBIDDEN, "a read-only session has no actions\n")
         try:
-            status, text = await action(self.server.d.pool, params.parse(request.path))
+            status, text = await action(self.fleet.pool, params.parse(request.path))
         except ValueError as exc:
             return _text(HTTPStatus.BAD_REQUEST, f"{exc}\n")
         finally:
@@ -190,7 +191,7 @@ class Dashboard:
                                 charts=self.trend.charts()))
 
     async def _agents_page(self, session: auth.Session, args: dict[str, str]) -> Response:
-        return _html(self._page("agents.html", session, "agents", agents=views.agents(self.server)))
+        return _html(self._page("agents.html", session, "agents", agents=views.agents(self.fleet)))
 
     async def _jobs_page(self, session: auth.Session, args: dict[str, str]) -> Response:
         try:
@@ -223,7 +224,7 @@ class Dashboard:
             return _text(HTTPStatus.FORBIDDEN, "a read-only session has no actions\n")
         try:
             which = params.retry_filter(args)
-            n = await queue.retry_count(self.server.d.pool, which)
+            n = await queue.retry_count(self.fleet.pool, which)
         except ValueError as exc:
             return _text(HTTPStatus.BAD_REQUEST, f"{exc}\n")
         return _html(_templates.get_template("retry_confirm.html").render(n=n, query=params.filter_query(which)))
@@ -263,7 +264,7 @@ class Dashboard:
             return render("overview_body.html", overview=await self._overview(), charts=self.trend.charts())
 
         async def agents() -> str:
-            return render("agents_body.html", agents=views.agents(self.server))
+            return render("agents_body.html", agents=views.agents(self.fleet))
 
         async def jobs() -> str:
             return render("jobs_body.html", view=await self._jobs(which, before),

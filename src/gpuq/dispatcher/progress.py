@@ -3,7 +3,7 @@
 Agents send the latest update of each job at most twice a second
 (``job.progress()``); the server reads them into ``latest`` (what ``/status``
 shows) and ``_unwritten``. One task writes everything unwritten with one
-``record_progress`` statement, then sleeps ``WRITE_SECONDS``: so each job's row
+``record_progress`` statement, then sleeps ``write_seconds`` (``Tuning``): so each job's row
 is written at most once a second, however often its handler reports, and the
 statement notifies ``gpuq_progress`` for waiters. An outcome makes a job's
 progress moot: ``forget`` drops it, written or not.
@@ -20,14 +20,13 @@ from gpuq import db, logs, metrics, queue
 from gpuq.loops import run_every
 from gpuq.protocol import ProgressUpdate
 
-log = logs.get("dispatcher")
-
-WRITE_SECONDS = 1.0  # a job's progress is written at most this often
+log = logs.get("progress")
 
 
 class ProgressWriter:
-    def __init__(self, pool: Any):
+    def __init__(self, pool: Any, write_seconds: float):
         self.pool = pool
+        self.write_seconds = write_seconds  # a job's progress is written at most this often
         self.latest: dict[int, ProgressUpdate] = {}  # running jobs of this server's agents that reported
         self._unwritten: dict[int, ProgressUpdate] = {}
         self._wake = anyio.Event()
@@ -50,7 +49,7 @@ class ProgressWriter:
         return {i: {"fraction": u.fraction, "message": u.message} for i in ids if (u := latest.get(i))}
 
     async def run(self) -> None:
-        await run_every(WRITE_SECONDS, self._write_when_woken, errors=db.RETRYABLE_ERRORS, on_error=self._failed)
+        await run_every(self.write_seconds, self._write_when_woken, errors=db.RETRYABLE_ERRORS, on_error=self._failed)
 
     async def _write_when_woken(self) -> None:
         await self._wake.wait()

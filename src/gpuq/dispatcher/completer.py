@@ -2,7 +2,8 @@
 
 ``submit`` queues outcomes as the server reads them; one task writes every
 outcome queued by then with one ``complete_many`` and one ``fail_many``, then
-acks each agent. A batch the database refuses (a value jsonb cannot take) is
+acks each agent. Jobs given back unstarted (``release_unstarted``) and leases
+no agent will run (``release``) go back to pending in the same flush. A batch the database refuses (a value jsonb cannot take) is
 written one by one, so one bad outcome cannot block the others.
 """
 
@@ -21,7 +22,7 @@ from gpuq.loops import run_every
 from gpuq.protocol import Done, Failed
 from gpuq.queue import Backoff
 
-log = logs.get("dispatcher")
+log = logs.get("completer")
 
 
 class Session(Protocol):
@@ -36,15 +37,17 @@ class Completer:
     """Batches agents' outcomes into few statements; acks each agent after commit."""
 
     def __init__(self, pool: Any, backoff: Backoff, on_written: Callable[[], None] | None = None,
-                 latency: JobLatency | None = None):
+                 latency: JobLatency | None = None, on_released: Callable[[Session], None] | None = None):
         self.pool = pool
         self.backoff = backoff
         self.on_written = on_written  # after each commit of outcomes (limits may have room again)
+        self.on_released = on_released  # after an agent's unstarted jobs are pending again
         self.latency = latency  # told which jobs ended (completion latency)
         # Outcomes waiting for the database (add them with submit(), release()).
         self.done: list[tuple[Session, Done, str]] = []
         self.failed: list[tuple[Session, Failed, str]] = []
         self.orphans: list[int] = []  # leased for an agent that left before the push
+        self.unstarted: list[tuple[Session, tuple[tuple[int, str], ...]]] = []  # given back, (id, token)
         self._wake = anyio.Event()
         self._lock = anyio.Lock()
 
@@ -60,6 +63,12 @@ class Completer:
     def release(self, ids: Iterable[int]) -> None:
         """Give back leases that no agent will run (their agent left before the push)."""
         self.orphans.extend(ids)
+        self._wake.set()
+
+    def release_unstarted(self, session: Session, jobs: tuple[tuple[int, str], ...]) -> None:
+        """The agent gave back prefetched jobs it will not start: pending again, their attempt not
+        counted (if the database is away, they wait here; their leases may expire first)."""
+        self.unstarted.append((session, jobs))
         self._wake.set()
 
     async def run(self) -> None:
@@ -78,7 +87,7 @@ class Completer:
 
     async def flush(self) -> None:
         async with self._lock:
-            while self.done or self.failed or self.orphans:
+            while self.done or self.failed or self.orphans or self.unstarted:
                 try:
                     await self._flush_once()
                 except asyncpg.DataError:
@@ -117,8 +126,12 @@ class Completer:
                 self.pool, [(m.id, m.lease_token, m.error, m.retryable) for _, m, _ in failed], self.backoff)
         if orphans:
             await queue.release_jobs(self.pool, orphans, undelivered=True)
+        unstarted = self.unstarted[:100]
+        if unstarted:
+            await self._release_unstarted(unstarted)
         # Committed: now take them off the queue and tell the agents.
         del self.done[:len(done)], self.failed[:len(failed)], self.orphans[:len(orphans)]
+        del self.unstarted[:len(unstarted)]
         if self.on_written is not None:
             self.on_written()
         if self.latency is not None:
@@ -144,6 +157,15 @@ class Completer:
         for session, (ok_ids, bad_ids) in acks.items():
             session.send_ack(tuple(ok_ids), tuple(bad_ids))
         self._log(done, failed, accepted, outcomes)
+
+    async def _release_unstarted(self, given: list[tuple[Session, tuple[tuple[int, str], ...]]]) -> None:
+        moved = await queue.release_unstarted(self.pool, [job for _, jobs in given for job in jobs])
+        back = set(moved.pending)
+        for session, jobs in given:
+            log.info("jobs.released", agent=session.id, job_ids=[i for i, _ in jobs if i in back],
+                     count=sum(i in back for i, _ in jobs))
+            if self.on_released is not None:
+                self.on_released(session)
 
     def _log(self, done: list[Any], failed: list[Any], accepted: set[int],
              outcomes: dict[int, queue.FailOutcome]) -> None:

@@ -1,0 +1,203 @@
+"""The dispatcher's one loop: wait for a reason, run a pass, deliver, and the agents' events.
+
+A pass leases plain jobs per group of agents (``groups.py``), then placed jobs
+shape by shape (``placing.py``), and pushes each batch to the agents named in
+its ``leased_by`` before the next is computed. Every reason to lease arrives
+through ``Wakeups``; outcomes, heartbeats and progress are written by their
+own parts in the background, so the server's reader never waits on the
+database.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import anyio
+
+from gpuq import db, logs, metrics, queue
+from gpuq.config import ServerConfig
+from gpuq.dispatcher.completer import Completer
+from gpuq.dispatcher.groups import GroupLeases
+from gpuq.dispatcher.heartbeats import Heartbeats
+from gpuq.dispatcher.placing import Placing
+from gpuq.dispatcher.progress import ProgressWriter
+from gpuq.dispatcher.sessions import AgentSession, Sessions
+from gpuq.dispatcher.tuning import TUNING_DEFAULT, Tuning
+from gpuq.dispatcher.wakeups import Pass, Wakeups
+from gpuq.latency import JobLatency
+from gpuq.loops import run_every
+from gpuq.protocol import Done, Failed, ProgressUpdate
+from gpuq.queue import Backoff
+
+log = logs.get("dispatcher")
+
+
+class Dispatcher:
+    def __init__(self, pool: Any, config: ServerConfig, tuning: Tuning = TUNING_DEFAULT,
+                 backoff: Backoff | None = None):
+        self.pool, self.config, self.stopping = pool, config, False
+        self.sessions = Sessions()
+        self.latency = JobLatency(enabled=False)  # the dashboard turns it on
+        self.completer = Completer(pool, backoff or Backoff(), on_written=self._outcomes_written, latency=self.latency,
+                                   on_released=self._credit_freed)
+        self.progress = ProgressWriter(pool, tuning.progress_write_seconds)
+        self.heartbeats = Heartbeats(pool, config.lease_seconds, on_lost=self.sessions.cancel_running)
+        self.wakeups = Wakeups(pool, config, tuning, on_kind=self._announced, on_cancel=self.sessions.cancel_running)
+        self.groups = GroupLeases(pool, config, tuning, lambda: self.wakeups.listen_pid, self.wakeups.recheck)
+        self.wakeups.on_listen = lambda: self.groups.listen_connected(self.wakeups.listen_pid or 0)
+        self.placing = Placing(pool, config, tuning)
+
+    @property
+    def listening(self) -> bool:
+        return self.wakeups.listening
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            if self.config.listen_url is not None:  # else poll only (a pooled URL and no direct one)
+                tg.start_soon(self.wakeups.listen)
+            tg.start_soon(self._lease_loop)
+            for part in (self.completer, self.progress, self.heartbeats):
+                tg.start_soon(part.run)
+
+    # -- agents' events (never waiting on the database, but for a disconnect) --
+
+    def register(self, session: AgentSession) -> None:
+        self.sessions.add(session)
+        log.info("agent.connected", agent=session.id, kinds=sorted(session.kinds), capacity=session.capacity)
+        self._credit_freed(session, new_agent=True)
+
+    async def unregister(self, session: AgentSession) -> None:
+        """The connection ended: commit what it reported, then return its jobs at once."""
+        self.sessions.remove(session)
+        with anyio.CancelScope(shield=True):
+            released: list[int] = []
+            try:
+                await self.completer.flush()
+                moved = await queue.release_agent(self.pool, session.id, session.protocol.started_ids())
+                released = moved.pending + moved.dead
+                if moved.dead:
+                    log.info("job.dead", agent=session.id, job_ids=moved.dead, count=len(moved.dead),
+                             reason="agent disconnected during the last attempt")
+            except db.RETRYABLE_ERRORS as exc:
+                # Its leases expire instead; the sweeper reclaims them.
+                log.warning("agent.release_failed", agent=session.id, error=str(exc))
+        log.info("agent.disconnected", agent=session.id, released=len(released),
+                 inflight=len(session.inflight))
+        self.progress.forget(session.inflight)
+        session.inflight.clear()
+
+    def submit(self, session: AgentSession, outcomes: Iterable[tuple[Done | Failed, str]], freed: int) -> None:
+        """Queue reported outcomes ``(message, kind)`` for the database; ``freed`` credits came back.
+
+        The session's protocol has already matched them to the jobs it holds;
+        an outcome for a job it was not given (kind '?') still goes to the
+        database, where the lease token decides, and is acked either way.
+        """
+        self.completer.submit(session, outcomes)
+        if self.progress.latest:
+            self.progress.forget(msg.id for msg, _ in outcomes)
+        if freed:
+            self._credit_freed(session)
+
+    def heartbeat(self, session: AgentSession, ids: tuple[int, ...]) -> None:
+        self.heartbeats.submit(session.id, ids)
+
+    def released(self, session: AgentSession, jobs: tuple[tuple[int, str], ...]) -> None:
+        """Prefetched jobs the agent will not start (the protocol dropped them): pending again."""
+        self.completer.release_unstarted(session, jobs)
+
+    def report_progress(self, updates: Iterable[ProgressUpdate]) -> None:
+        """Progress of jobs the reporting connection holds: written within ``Tuning.progress_write_seconds``."""
+        self.progress.submit(updates)
+
+    def agent_updated(self, session: AgentSession) -> None:
+        """Its labels or warm models changed: jobs may now fit it, or fit it better."""
+        log.info("agent.updated", agent=session.id, labels=list(session.protocol.labels),
+                 models=list(session.protocol.models))
+        self._credit_freed(session, new_agent=True)
+
+    def _credit_freed(self, session: Any, new_agent: bool = False) -> None:
+        if new_agent:
+            self.groups.agent_came(session.kinds)
+        self.wakeups.credit_freed(session.kinds)
+
+    def _announced(self, kind: str, top: int | None) -> None:
+        self.groups.cursors.announced(kind, top)
+
+    def _outcomes_written(self) -> None:
+        if self.placing.outcomes_written():
+            self.wakeups.wake()
+
+    # -- the loop ------------------------------------------------------------
+
+    async def _lease_loop(self) -> None:
+        await run_every(0, self._lease_once, errors=db.RETRYABLE_ERRORS, on_error=self._lease_failed,
+                        until=lambda: self.stopping)
+
+    async def _lease_once(self) -> None:
+        """Wait for a reason to lease (a notification, freed credit, a poll), then lease."""
+        why = await self.wakeups.wait(self.sessions.any_room(), lambda: self.placing.wait_left(
+            self.sessions.any_room()))
+        if why is not None and not self.stopping:
+            await self.lease_pass(why)
+
+    def _lease_failed(self, exc: BaseException, retry_in: float) -> None:
+        log.warning("lease.failed", error=str(exc), retry_in=retry_in)
+        self.wakeups.lease_failed()
+
+    async def lease_pass(self, why: Pass) -> None:
+        """One pass: every group with a reason to lease, then every shape; each batch delivered."""
+        stopping = lambda: self.stopping  # noqa: E731
+        await self._deliver_all(self.groups.lease(self.sessions, why, self.listening, stopping))
+        await self._deliver_all(self.placing.lease(list(self.sessions), why.every, why.kinds, stopping))
+
+    async def _deliver_all(self, batches: AsyncIterator[list[queue.LeasedJob]]) -> None:
+        async for jobs in batches:
+            if jobs:
+                self.wakeups.found_work()
+            self._deliver(jobs)
+
+    def _deliver(self, jobs: list[queue.LeasedJob]) -> None:
+        by_session: dict[str, list[queue.LeasedJob]] = {}
+        for j in jobs:
+            by_session.setdefault(j.leased_by, []).append(j)
+        for kind, n in Counter(j.kind for j in jobs).items():
+            metrics.JOBS_LEASED.labels(kind=kind).inc(n)
+        metrics.LEASE_BATCH.observe(len(jobs))
+        self.latency.leased(jobs)
+        debug = logs.debug_enabled()
+        for sid, batch in by_session.items():
+            session = self.sessions.get(sid)
+            if session is None:  # left between the lease and now: give the jobs back
+                self.completer.release(j.id for j in batch)
+                continue
+            if debug:
+                for j in batch:
+                    log.debug("job.pushed", job_id=j.id, agent=sid, kind=j.kind, attempt=j.attempt)
+            if refused := session.protocol.send_jobs(batch):  # never: slots followed its free devices
+                log.error("job.no_devices", agent=sid, job_ids=[j.id for j in refused])
+                self.completer.release(j.id for j in refused)
+            session.flush()
+        metrics.INFLIGHT.set(self.sessions.inflight())
+
+    # -- shutdown --------------------------------------------------------------
+
+    async def drain(self, deadline_seconds: float) -> None:
+        """Stop leasing, ask agents to finish, wait for their results, release the rest."""
+        self.stopping = True
+        self.wakeups.wake()
+        log.info("dispatcher.draining", agents=len(self.sessions), deadline_seconds=deadline_seconds)
+        self.sessions.send_drain(deadline_seconds)
+        with anyio.move_on_after(deadline_seconds):
+            while self.sessions.inflight():
+                await anyio.sleep(0.05)
+        await self.completer.flush()
+        left = [i for s in self.sessions for i in s.inflight]
+        if left:
+            try:
+                await queue.release_jobs(self.pool, left)
+            except db.RETRYABLE_ERRORS as exc:
+                log.warning("dispatcher.release_failed", error=str(exc), count=len(left))
+        log.info("dispatcher.drained", released=len(left))

@@ -1,0 +1,208 @@
+"""Placing: which placed jobs to lease for which agents, shape by shape. It leases, never delivers.
+
+It owns what placement needs between passes:
+- the shapes enqueued so far (gpuq.shapes) and the limits (gpuq.limits), read
+  when a notification or poll asks, at most every ``shapes_seconds``;
+- the shapes whose last lease came up short (not tried again until their kind
+  is announced or a poll comes, like a group that came up short);
+- warm waits: while an agent holding a shape's model warm is connected, a cold
+  agent's room goes to the shape only after ``warm_wait_seconds``;
+- reservations: an agent kept for a multi-GPU shape whose next job waited past
+  ``reserve_after_seconds``.
+
+``lease()`` yields each leased batch; the caller delivers it before the next
+one is computed, since delivery changes what each agent has free. The rules
+themselves are pure functions in ``gpuq.placement``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import Any
+
+from gpuq import logs, metrics, placement, queue
+from gpuq.config import ServerConfig
+from gpuq.dispatcher.sessions import AgentSession
+from gpuq.dispatcher.tuning import Tuning
+from gpuq.placement import ShapeKey
+
+log = logs.get("dispatcher")
+
+
+class Placing:
+    def __init__(self, pool: Any, config: ServerConfig, tuning: Tuning):
+        self.pool, self.config, self.tuning = pool, config, tuning
+        self.shapes: dict[ShapeKey, queue.Shape] = {}
+        self._shapes_at, self._shapes_stale = -tuning.shapes_seconds, True
+        self._short: set[ShapeKey] = set()  # shapes whose last lease came up short
+        # Limits (gpuq.limits, read with the shapes): kinds with one, and whether any key has one.
+        self._limited_kinds: frozenset[str] = frozenset()
+        self._key_limits = False
+        self.reserved: dict[str, ShapeKey] = {}  # agent id -> the multi-GPU shape it is kept for
+        self._reserve_at = 0.0
+        self._warm_wait_ends: dict[ShapeKey, float] = {}  # shape -> when a cold agent may take its next job
+
+    # -- a pass ------------------------------------------------------------
+
+    async def lease(self, agents: Sequence[AgentSession], every: bool, kinds: set[str],
+                    stopping: Callable[[], bool]) -> AsyncIterator[list[queue.LeasedJob]]:
+        """Lease placed jobs for ``agents``, shape by shape; ``every``: look at every shape, else
+        those of the announced ``kinds`` and those that did not come up short."""
+        if not agents:
+            self._shapes_stale = self._shapes_stale or every or bool(kinds)
+            return  # nobody to place on: read the shapes when an agent comes
+        await self._refresh(every or bool(kinds))
+        if every:
+            self._short.clear()
+        elif kinds:
+            self._short = {key for key in self._short if key[0] not in kinds}
+        await self._reserve(agents)
+        work = [*self.shapes.items(), *(((k, ""), queue.Shape.of_plain(k)) for k in self._limited_kinds)]
+        passes = [(warm_only, False) for warm_only in (True, False)]  # every shape's warm agents first
+        passes += [(warm_only, True) for warm_only in (True, False)]  # then prefetch: ready on busy devices
+        for warm_only, ready in passes:
+            for key, shape in work:
+                if ready and not (shape.gpus and (warm_only or not self._waits_for_warm(shape, agents))):
+                    continue
+                async for jobs in self._lease_shape(key, shape, agents, warm_only, ready, stopping):
+                    yield jobs
+        self._warm_wait_ends = {key: at for key, at in self._warm_wait_ends.items() if key not in self._short}
+
+    async def _lease_shape(self, key: ShapeKey, shape: queue.Shape, agents: Sequence[AgentSession],
+                           warm_only: bool, ready: bool, stopping: Callable[[], bool]) -> AsyncIterator[list[queue.LeasedJob]]:
+        """Lease a shape's jobs for the agents with room (``ready``: room to hold them ready on busy
+        devices); ``warm_only``: those holding its model warm, else the others, after the warm wait."""
+        while key not in self._short and not stopping():
+            slots = placement.slots(shape, agents, self.config.max_batch, self.reserved, warm_only, ready)
+            if not slots:
+                if not warm_only and not ready:
+                    self._warm_wait_ends.pop(key, None)  # a wait counts only while a cold agent has room
+                return
+            if not warm_only and not ready and not (slots := self._after_warm_wait(key, shape, agents, slots)):
+                return
+            with metrics.LEASE_SECONDS.time():
+                if self._limited(shape):
+                    jobs = await queue.lease_limited(self.pool, shape, slots, self.config.lease_seconds,
+                                                     scan_keys=shape.keyed and self._key_limits)
+                else:
+                    jobs = await queue.lease_placed(self.pool, shape, slots, self.config.lease_seconds)
+            if jobs:
+                log.info("lease.placed", batch=len(jobs), requested=len(slots), kind=shape.kind,
+                         gpus=shape.gpus, model=shape.model, agents=len({j.leased_by for j in jobs}))
+                self._unreserve(key)
+            if len(jobs) < len(slots):
+                self._short.add(key)
+            yield jobs
+
+    def _after_warm_wait(self, key: ShapeKey, shape: queue.Shape, agents: Sequence[AgentSession],
+                         slots: list[str]) -> list[str]:
+        """Of the agents that could take a shape's jobs but do not hold their model warm, those
+        that may: all when no connected agent holds it; else none until one of them had room
+        for warm_wait_seconds, then one agent (to load it).
+
+        The wait counts from the first pass that kept a cold agent's room from
+        the shape, not from the job's enqueue: in a backlog every job is old,
+        and spilling each to a cold agent at once would evict the models the
+        next jobs want. After a spill the next wait starts afresh, so a model
+        in more demand than its warm agents serve spreads one agent per wait.
+        """
+        if not self._waits_for_warm(shape, agents):
+            return slots
+        now = time.monotonic()
+        if self._warm_wait_ends.setdefault(key, now + self.config.warm_wait_seconds) > now:
+            return []  # the pass then is due (wait_left)
+        del self._warm_wait_ends[key]
+        return [sid for sid in slots if sid == slots[0]]
+
+    def _waits_for_warm(self, shape: queue.Shape, agents: Iterable[AgentSession]) -> bool:
+        """Whether the shape's jobs wait a while for an agent holding their model warm."""
+        return bool(shape.model and self.config.warm_wait_seconds and placement.warm_somewhere(shape, agents))
+
+    # -- reservations ------------------------------------------------------
+
+    async def _reserve(self, agents: Sequence[AgentSession]) -> None:
+        """Keep an agent for each multi-GPU shape whose next job has waited past reserve_after_seconds.
+
+        Checked every ``reserve_check_seconds`` (one indexed row per multi-GPU
+        shape); a reservation ends when its shape leases a job, or its agent leaves.
+        """
+        present = {s.id for s in agents}
+        self.reserved = {sid: key for sid, key in self.reserved.items() if sid in present}
+        now = time.monotonic()
+        if now < self._reserve_at:
+            return
+        self._reserve_at = now + min(self.tuning.reserve_check_seconds, self.config.reserve_after_seconds)
+        held = set(self.reserved.values())
+        for key, shape in self.shapes.items():
+            if shape.gpus < 2 or key in held:
+                continue
+            waited = await queue.placed_head_wait(self.pool, shape)
+            if waited is None or waited < self.config.reserve_after_seconds:
+                continue
+            if (sid := placement.reserve(shape, agents, self.reserved)) is not None:
+                self.reserved[sid] = key
+                self._short.discard(key)
+                log.info("placement.reserved", agent=sid, kind=shape.kind, gpus=shape.gpus,
+                         waited_seconds=round(waited, 1))
+
+    def _unreserve(self, key: ShapeKey) -> None:
+        for sid in [sid for sid, k in self.reserved.items() if k == key]:
+            del self.reserved[sid]
+            log.info("placement.reservation_used", agent=sid, kind=key[0])
+
+    # -- limits, shapes and when a pass is due -------------------------------
+
+    def outcomes_written(self) -> bool:
+        """Jobs ended in the database: limits they held may have room again (a job that ended on
+        another server: the next poll). True if a shape may lease again: a pass is due."""
+        if not (self._limited_kinds or self._key_limits):
+            return False
+        held = {k for k in self._short if k[0] in self._limited_kinds or (k in self.shapes
+                                                                           and self._limited(self.shapes[k]))}
+        self._short -= held
+        return bool(held)
+
+    def _limited(self, shape: queue.Shape) -> bool:
+        """Whether a limit may hold the shape's jobs back: they go through lease_limited."""
+        return shape.kind in self._limited_kinds or (shape.keyed and self._key_limits)
+
+    def wait_left(self, any_room: bool) -> float | None:
+        """Seconds until placement wants a pass of its own (None: never): a throttled shapes read,
+        or a warm wait that ends. A wait, not a reason to skip arming the wake-up mark: producers
+        must keep notifying meanwhile."""
+        if not any_room:
+            return None
+        now = time.monotonic()
+        waits = [at - now for at in self._warm_wait_ends.values()]
+        if self._shapes_stale:
+            waits.append(self._shapes_at + self.tuning.shapes_seconds - now)
+        return max(0.0, min(waits)) if waits else None
+
+    async def _refresh(self, wanted: bool) -> None:
+        """Read gpuq.shapes and gpuq.limits (a few rows each) when a notification or poll asks, at most
+        every shapes_seconds. Until a dispatcher has read a limit, the jobs under it wait: the other
+        lease statements skip them."""
+        now = time.monotonic()
+        self._shapes_stale = self._shapes_stale or wanted
+        if self._shapes_stale and now - self._shapes_at >= self.tuning.shapes_seconds:
+            self.shapes = {(s.kind, s.shape): s for s in await queue.shapes(self.pool)}
+            limits = await queue.limits(self.pool)
+            self._limited_kinds = frozenset(lim["name"] for lim in limits if lim["scope"] == "kind")
+            self._key_limits = any(lim["scope"] == "key" for lim in limits)
+            self._shapes_at, self._shapes_stale = now, False
+
+    async def unplaceable(self, agents: Sequence[AgentSession]) -> dict[str, list[dict[str, Any]]]:
+        """Pending placed jobs no connected agent could run, per kind, with the reason (for /status)."""
+        pending = await queue.placed_pending(self.pool)
+        if any(key not in self.shapes for key in pending):
+            await self._refresh(True)
+        out: dict[str, list[dict[str, Any]]] = {}
+        for key, (n, oldest) in sorted(pending.items()):
+            shape = self.shapes.get(key)
+            if shape is None or (reason := placement.why_unplaceable(shape, agents)) is None:
+                continue
+            out.setdefault(shape.kind, []).append({
+                "pending": n, "since": oldest.isoformat(), "gpus": shape.gpus, "gpu_memory_mb": shape.gpu_memory_mb,
+                "labels": sorted(shape.labels), "model": shape.model, "reason": reason})
+        return out

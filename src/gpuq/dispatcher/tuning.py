@@ -1,0 +1,49 @@
+"""The dispatcher's timing knobs: named defaults, one object (River's ``*Default`` constants).
+
+They are not settings an operator chooses (those are in ``gpuq.config``): each
+is a trade-off measured once and written down here. Tests that need a shorter
+or longer one pass a ``Tuning`` to ``serve()`` or ``Dispatcher``, never patch a
+module global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpuq.protocol import server_side
+
+# How long one arm of the wake-up mark asks producers to NOTIFY; an idle
+# dispatcher arms again when half of it is left. Also how long producers keep
+# notifying after every dispatcher got busy: 1 s cost them 10 % of their commits.
+WAKE_MARK_MS_DEFAULT = 100
+# How often a dispatcher that found stragglers checks whether they have ended.
+STRAGGLER_POLL_SECONDS_DEFAULT = 0.001
+# Cursors start from the top again every this many polls: what no notification
+# announces (rows another lease skipped while locked, a job inserted above a
+# floor while the floor moved) waits at most this long. Poll-only: every poll.
+REWIND_POLLS_DEFAULT = 10
+# How often the dispatcher looks for a newer settled id (docs/design.md, "Lease cursors").
+SETTLE_SECONDS_DEFAULT = 0.01
+# How often, at most, it reads gpuq.shapes for placement classes new since the last read.
+SHAPES_SECONDS_DEFAULT = 0.05
+# How often it asks how long each multi-GPU shape's next job has waited (for reservations).
+RESERVE_CHECK_SECONDS_DEFAULT = 1.0
+# A job's progress is written at most this often.
+PROGRESS_WRITE_SECONDS_DEFAULT = 1.0
+
+
+@dataclass(frozen=True)
+class Tuning:
+    wake_mark_ms: int = WAKE_MARK_MS_DEFAULT
+    straggler_poll_seconds: float = STRAGGLER_POLL_SECONDS_DEFAULT
+    rewind_polls: int = REWIND_POLLS_DEFAULT
+    settle_seconds: float = SETTLE_SECONDS_DEFAULT
+    shapes_seconds: float = SHAPES_SECONDS_DEFAULT
+    reserve_check_seconds: float = RESERVE_CHECK_SECONDS_DEFAULT
+    progress_write_seconds: float = PROGRESS_WRITE_SECONDS_DEFAULT
+    # The connection rules' own defaults (protocol/server_side.py), for the server to pass on.
+    hello_timeout_seconds: float = server_side.HELLO_TIMEOUT_SECONDS
+    max_errors_per_connection: int = server_side.MAX_ERRORS_PER_CONNECTION
+
+
+TUNING_DEFAULT = Tuning()

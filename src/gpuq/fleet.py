@@ -1,0 +1,82 @@
+"""The fleet read model: the agents connected to this server, their GPUs, how busy they are,
+and the jobs none of them can run. One source for ``/status``, ``gpuq status --server``
+(which reads ``/status``) and the dashboard; it reads the dispatcher's parts and changes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gpuq import queue
+from gpuq.dispatcher import AgentSession, Dispatcher
+from gpuq.latency import JobLatency
+from gpuq.protocol import slots
+
+
+class Fleet:
+    def __init__(self, dispatcher: Dispatcher):
+        self._d = dispatcher
+
+    @property
+    def pool(self) -> Any:
+        """The database the dashboard's own reads go to."""
+        return self._d.pool
+
+    @property
+    def latency(self) -> JobLatency:
+        return self._d.latency
+
+    @property
+    def agent_count(self) -> int:
+        return len(self._d.sessions)
+
+    def agents(self) -> list[dict[str, Any]]:
+        """Every connected agent, as an operator reads it, by id."""
+        now = time.monotonic()
+        return sorted((self._agent(s, now) for s in self._d.sessions), key=lambda a: a["agent"])
+
+    def _agent(self, s: AgentSession, now: float) -> dict[str, Any]:
+        proto = s.protocol
+        placing = self._d.placing
+        reserved = placing.reserved.get(s.id)
+        shape = placing.shapes.get(reserved) if reserved else None
+        beat = proto.last_heartbeat
+        return {"agent": s.id, "kinds": sorted(s.kinds), "capacity": s.capacity, "prefetch": proto.prefetch,
+                "inflight": len(s.inflight), "unstarted": len(proto.unstarted()),
+                "busy_fraction": slots.busy_fraction(*proto.busy.totals(now)),
+                "draining": s.draining, "protocol": proto.version, "remote": s.remote, "devices": proto.device_status(),
+                "labels": list(proto.labels), "models": list(proto.models),
+                "last_heartbeat_seconds": None if beat is None else round(now - beat, 3),
+                "reserved_for": {"kind": shape.kind, "gpus": shape.gpus} if shape else None,
+                "progress": {str(i): p for i, p in self._d.progress.of(s.inflight).items()}}
+
+    def busy(self) -> dict[str, Any]:
+        """The fleet's busy fraction over the last minute: handler time over handler time plus the
+        idle gaps while work waited, as this server's protocol 6 agents reported them."""
+        now = time.monotonic()
+        busy = idle = 0.0
+        for s in self._d.sessions:
+            b, i = s.protocol.busy.totals(now)
+            busy, idle = busy + b, idle + i
+        return {"busy_fraction": slots.busy_fraction(busy, idle), "busy_seconds": round(busy / 1000, 3),
+                "gap_seconds": round(idle / 1000, 3), "window_seconds": slots.BUSY_WINDOW_SECONDS}
+
+    async def unplaceable(self) -> dict[str, list[dict[str, Any]]]:
+        """Pending placed jobs no connected agent could run, per kind, with the reason."""
+        return await self._d.placing.unplaceable(list(self._d.sessions))
+
+    def devices(self) -> list[tuple[str, Any, Any]]:
+        """(agent, devices, usage) of every agent, for the GPU gauges on /metrics."""
+        return [(s.id, s.devices, s.protocol.usage) for s in self._d.sessions]
+
+    async def status(self) -> dict[str, Any]:
+        """The body of ``/status``: live counts from the partial indexes, agents, limits, unplaceable jobs."""
+        counts = await queue.status_counts(self.pool)
+        body = counts.as_dict()
+        body["agents"] = self.agents()
+        body["unplaceable"] = await self.unplaceable()
+        body["limits"] = await queue.limits(self.pool)
+        body["agents_connected"] = self.agent_count
+        body["slots"] = self.busy()
+        return body
