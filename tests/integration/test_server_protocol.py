@@ -183,3 +183,21 @@ async def test_a_pushed_job_has_exactly_the_documented_fields(dsn, pool):
             {"id": jid, "lease_token": token, "kind": "embed", "payload": payload, "attempt": 1}]}
         assert protocol.parse_server(json.dumps(frame)).jobs[0].payload == payload
         await ws.close()
+
+
+async def test_a_heartbeat_the_database_holds_up_does_not_hold_up_the_connection(dsn, pool):
+    """The reader hands heartbeats to the dispatcher and reads on: with the job's row locked (a
+    heartbeat's UPDATE waits for it), a bad frame sent after the heartbeat still gets its error
+    at once, and the lease is extended once the lock goes."""
+    async with running_server(dsn) as srv:
+        ws, [job] = await raw_agent_with_jobs(srv, pool, 1)
+        before = await pool.fetchval("SELECT lease_expires_at FROM gpuq.jobs WHERE id = $1", job["id"])
+        async with pool.acquire() as holder, holder.transaction():
+            await holder.execute("SELECT 1 FROM gpuq.jobs WHERE id = $1 FOR UPDATE", job["id"])
+            await ws.send(json.dumps({"type": "heartbeat", "ids": [job["id"]]}))
+            await ws.send(json.dumps({"type": "no-such-frame"}))
+            assert (await next_of(ws, "error"))["code"] == protocol.ErrorCode.UNKNOWN_TYPE
+        with anyio.fail_after(5):
+            while await pool.fetchval("SELECT lease_expires_at FROM gpuq.jobs WHERE id = $1", job["id"]) == before:
+                await anyio.sleep(0.02)
+        await ws.close()
