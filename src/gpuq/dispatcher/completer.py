@@ -116,6 +116,9 @@ class Completer:
             session.send_ack((), (msg.id,))
 
     async def _flush_once(self) -> None:
+        if given := self.unstarted[:100]:  # its own commit: done and failed are retried without it
+            await self._release_unstarted(given)
+            del self.unstarted[:len(given)]
         done, failed, orphans = self.done[:1000], self.failed[:1000], self.orphans[:1000]
         accepted: set[int] = set()
         outcomes: dict[int, queue.FailOutcome] = {}
@@ -126,12 +129,8 @@ class Completer:
                 self.pool, [(m.id, m.lease_token, m.error, m.retryable) for _, m, _ in failed], self.backoff)
         if orphans:
             await queue.release_jobs(self.pool, orphans, undelivered=True)
-        unstarted = self.unstarted[:100]
-        if unstarted:
-            await self._release_unstarted(unstarted)
         # Committed: now take them off the queue and tell the agents.
         del self.done[:len(done)], self.failed[:len(failed)], self.orphans[:len(orphans)]
-        del self.unstarted[:len(unstarted)]
         if self.on_written is not None:
             self.on_written()
         if self.latency is not None:
