@@ -16,10 +16,10 @@ import anyio
 import asyncpg
 
 from gpuq import db, logs, metrics, queue
+from gpuq.jobs import FailOutcome, JobBackoff
 from gpuq.latency import JobLatency
 from gpuq.loops import run_every
 from gpuq.protocol import Done, Failed
-from gpuq.queue import Backoff
 
 log = logs.get("dispatcher")
 
@@ -35,7 +35,7 @@ class Session(Protocol):
 class Completer:
     """Batches agents' outcomes into few statements; acks each agent after commit."""
 
-    def __init__(self, pool: Any, backoff: Backoff, on_written: Callable[[], None] | None = None,
+    def __init__(self, pool: Any, backoff: JobBackoff, on_written: Callable[[], None] | None = None,
                  latency: JobLatency | None = None):
         self.pool = pool
         self.backoff = backoff
@@ -109,7 +109,7 @@ class Completer:
     async def _flush_once(self) -> None:
         done, failed, orphans = self.done[:1000], self.failed[:1000], self.orphans[:1000]
         accepted: set[int] = set()
-        outcomes: dict[int, queue.FailOutcome] = {}
+        outcomes: dict[int, FailOutcome] = {}
         if done:
             accepted = await queue.complete_many(self.pool, [(m.id, m.lease_token, m.result) for _, m, _ in done])
         if failed:
@@ -146,7 +146,7 @@ class Completer:
         self._log(done, failed, accepted, outcomes)
 
     def _log(self, done: list[Any], failed: list[Any], accepted: set[int],
-             outcomes: dict[int, queue.FailOutcome]) -> None:
+             outcomes: dict[int, FailOutcome]) -> None:
         if done:
             rejected = [m.id for _, m, _ in done if m.id not in accepted]
             log.info("job.done", count=len(accepted), job_ids=sorted(accepted),

@@ -37,15 +37,15 @@ from typing import Any
 
 import anyio
 
-from gpuq import db, logs, metrics, placement, queue
+from gpuq import admin, db, logs, metrics, placement, queue, wakeups
 from gpuq.completer import Completer
 from gpuq.config import ServerConfig
+from gpuq.jobs import JobBackoff, LeasedJob, Shape
 from gpuq.latency import JobLatency
-from gpuq.loops import RetryBackoff, run_every
+from gpuq.loops import LoopBackoff, run_every
 from gpuq.progress import ProgressWriter
 from gpuq.protocol import Device, Done, Failed, ProgressUpdate
 from gpuq.protocol.server_side import ServerProtocol
-from gpuq.queue import Backoff
 from gpuq.sql import queries
 
 log = logs.get("dispatcher")
@@ -137,12 +137,12 @@ class AgentSession:
 
 
 class Dispatcher:
-    def __init__(self, pool: Any, config: ServerConfig, backoff: Backoff | None = None):
+    def __init__(self, pool: Any, config: ServerConfig, backoff: JobBackoff | None = None):
         self.pool = pool
         self.config = config
         self.sessions: dict[str, AgentSession] = {}
         self.latency = JobLatency(enabled=False)  # the dashboard turns it on
-        self.completer = Completer(pool, backoff or Backoff(), on_written=self._outcomes_written,
+        self.completer = Completer(pool, backoff or JobBackoff(), on_written=self._outcomes_written,
                                    latency=self.latency)
         self.progress = ProgressWriter(pool)
         self.listening = False
@@ -178,7 +178,7 @@ class Dispatcher:
         self._horizon: tuple[int, list[str]] | None = None
         self._settle_at = 0.0
         # Placement (placement.py): the shapes enqueued so far, and those whose last lease came up short.
-        self._shapes: dict[tuple[str, str], queue.Shape] = {}
+        self._shapes: dict[tuple[str, str], Shape] = {}
         self._shapes_at, self._shapes_stale = -SHAPES_SECONDS, True
         self._placed_empty: set[tuple[str, str]] = set()
         # Limits (gpuq.limits, read with the shapes): kinds with one, and whether any key has one.
@@ -272,10 +272,10 @@ class Dispatcher:
 
     def _on_notify(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
         metrics.NOTIFICATIONS.inc()
-        if payload.startswith(queue.CANCEL_PREFIX):
-            self._cancel_running(queue.parse_cancel(payload))
+        if payload.startswith(wakeups.CANCEL_PREFIX):
+            self._cancel_running(wakeups.parse_cancel(payload))
             return
-        wakeup = queue.parse_wakeup(payload)
+        wakeup = wakeups.parse_wakeup(payload)
         if wakeup.every:
             self.wake_all(rewind=wakeup.rewind)
         for kind, top in wakeup.kinds.items():
@@ -310,7 +310,7 @@ class Dispatcher:
             tg.start_soon(self.progress.run)
 
     async def _listen_loop(self) -> None:
-        await run_every(0.1, self._listen_once, backoff=RetryBackoff(first=0.1), errors=db.RETRYABLE_ERRORS,
+        await run_every(0.1, self._listen_once, backoff=LoopBackoff(first=0.1), errors=db.RETRYABLE_ERRORS,
                         on_error=lambda exc, retry_in: log.warning("listen.lost", error=str(exc), retry_in=retry_in))
 
     async def _listen_once(self) -> None:
@@ -321,14 +321,14 @@ class Dispatcher:
             conn = await db.connect(self.config.listen_url, direct=True)  # LISTEN needs a session
             lost = anyio.Event()
             conn.add_termination_listener(lambda _c, lost=lost: lost.set())
-            await conn.add_listener(queue.NOTIFY_CHANNEL, self._on_notify)
+            await conn.add_listener(wakeups.NOTIFY_CHANNEL, self._on_notify)
             self._listen_pid = conn.get_server_pid()
-            await queue.clear_floors(self.pool, self._listen_pid)  # ours from before, and the dead's
+            await wakeups.clear_floors(self.pool, self._listen_pid)  # ours from before, and the dead's
             self._floors.clear()
             self._confirm.clear()
             self._mark_seen, self._arm_at = 0, 0.0  # notifications were lost: a full handshake
             self.listening = True
-            log.info("listen.connected", channel=queue.NOTIFY_CHANNEL)
+            log.info("listen.connected", channel=wakeups.NOTIFY_CHANNEL)
             self.wake_all(rewind=True)  # anything inserted while we were not listening
             while not lost.is_set():
                 with anyio.move_on_after(5):
@@ -379,7 +379,7 @@ class Dispatcher:
             await self._arm(now)
         if self._owe_pass:
             if self._stragglers:
-                self._stragglers = await queue.stragglers_left(self.pool, self._stragglers)
+                self._stragglers = await wakeups.stragglers_left(self.pool, self._stragglers)
             if self._stragglers:
                 return STRAGGLER_POLL_SECONDS
             self._owe_pass = False
@@ -389,7 +389,7 @@ class Dispatcher:
         return max(0.0, min(self._arm_at, self._polled_at + self.config.poll_seconds) - now)
 
     async def _arm(self, now: float) -> None:
-        armed = await queue.arm_wakeups(self.pool, WAKE_MARK_MS)
+        armed = await wakeups.arm_wakeups(self.pool, WAKE_MARK_MS)
         lapsed = armed.now_ms >= self._mark_seen  # producers may have skipped NOTIFY since our last arm
         metrics.WAKEUP_ARMS.labels(lapsed=str(lapsed).lower()).inc()
         self._mark_seen = armed.until
@@ -468,7 +468,7 @@ class Dispatcher:
         elif notified:
             self._placed_empty = {key for key in self._placed_empty if key[0] not in notified}
         await self._reserve()
-        work = [*self._shapes.items(), *(((k, ""), queue.Shape.of_plain(k)) for k in self._limited_kinds)]
+        work = [*self._shapes.items(), *(((k, ""), Shape.of_plain(k)) for k in self._limited_kinds)]
         for warm_only in (True, False):  # every shape's warm agents first, then the rest
             for key, shape in work:
                 await self._lease_shape(key, shape, warm_only)
@@ -479,7 +479,7 @@ class Dispatcher:
                     await self._lease_shape(key, shape, warm_only, ready=True)
         self._cold_at = {key: at for key, at in self._cold_at.items() if key not in self._placed_empty}
 
-    async def _lease_shape(self, key: tuple[str, str], shape: queue.Shape, warm_only: bool,
+    async def _lease_shape(self, key: tuple[str, str], shape: Shape, warm_only: bool,
                            ready: bool = False) -> None:
         """Lease a shape's jobs for the agents with room (``ready``: room to hold them ready on busy
         devices); ``warm_only``: those holding its model warm, else the others, by ``_cold_slots``."""
@@ -507,7 +507,7 @@ class Dispatcher:
             if len(jobs) < len(slots):
                 self._placed_empty.add(key)
 
-    def _cold_slots(self, key: tuple[str, str], shape: queue.Shape, slots: list[str]) -> list[str]:
+    def _cold_slots(self, key: tuple[str, str], shape: Shape, slots: list[str]) -> list[str]:
         """Of the agents that could take a shape's jobs but do not hold their model warm, those
         that may: all when no connected agent holds it; else none until one of them had room
         for warm_wait_seconds, then one agent (to load it).
@@ -526,7 +526,7 @@ class Dispatcher:
         del self._cold_at[key]
         return [sid for sid in slots if sid == slots[0]]
 
-    def _holds_for_warm(self, shape: queue.Shape) -> bool:
+    def _holds_for_warm(self, shape: Shape) -> bool:
         """Whether the shape's jobs wait a while for an agent holding their model warm."""
         return bool(shape.model and self.config.warm_wait_seconds
                     and placement.warm_somewhere(shape, self.sessions.values()))
@@ -575,7 +575,7 @@ class Dispatcher:
                 "labels": sorted(shape.labels), "model": shape.model, "reason": reason})
         return out
 
-    def shape(self, key: tuple[str, str]) -> queue.Shape | None:
+    def shape_by_key(self, key: tuple[str, str]) -> Shape | None:
         return self._shapes.get(key)
 
     def _outcomes_written(self) -> None:
@@ -589,7 +589,7 @@ class Dispatcher:
             self._placed_empty -= held
             self._wake.set()
 
-    def _limited(self, shape: queue.Shape) -> bool:
+    def _limited(self, shape: Shape) -> bool:
         """Whether a limit may hold the shape's jobs back: they go through lease_limited."""
         return shape.kind in self._limited_kinds or (shape.keyed and self._key_limits)
 
@@ -604,8 +604,8 @@ class Dispatcher:
         now = time.monotonic()
         self._shapes_stale = self._shapes_stale or wanted
         if self._shapes_stale and now - self._shapes_at >= SHAPES_SECONDS:
-            self._shapes = {(s.kind, s.shape): s for s in await queue.shapes(self.pool)}
-            limits = await queue.limits(self.pool)
+            self._shapes = {s.key: s for s in await queue.read_shapes(self.pool)}
+            limits = await admin.limits(self.pool)
             self._limited_kinds = frozenset(lim["name"] for lim in limits if lim["scope"] == "kind")
             self._key_limits = any(lim["scope"] == "key" for lim in limits)
             self._shapes_at, self._shapes_stale = now, False
@@ -642,10 +642,10 @@ class Dispatcher:
         self._settle_at = now + SETTLE_SECONDS
         if self._horizon is not None:
             last_id, writers = self._horizon
-            if writers and await queue.stragglers_left(self.pool, writers):
+            if writers and await wakeups.stragglers_left(self.pool, writers):
                 return
             self._settled = max(self._settled, last_id)
-        last_id, writers = await queue.insert_horizon(self.pool)
+        last_id, writers = await wakeups.insert_horizon(self.pool)
         if writers:
             self._horizon = (last_id, writers)
         else:
@@ -663,18 +663,18 @@ class Dispatcher:
         if not moved or self._listen_pid is None:
             return
         lowered = {k for k, p in moved.items() if k not in self._floors or p < self._floors[k]}
-        await queue.set_floors(self.pool, self._listen_pid, moved)
+        await wakeups.set_floors(self.pool, self._listen_pid, moved)
         self._floors.update(moved)
         if lowered:
             self._rewind(lowered)
-            _last_id, writers = await queue.insert_horizon(self.pool)
+            _last_id, writers = await wakeups.insert_horizon(self.pool)
             if writers:
                 self._confirm.append((lowered, writers))
 
     async def _confirm_floors(self) -> None:
         """Rewind the kinds whose floor went down each time a writer that may have read the old floor ends."""
         everyone = sorted({x for _kinds, writers in self._confirm for x in writers})
-        running = set(await queue.stragglers_left(self.pool, everyone))
+        running = set(await wakeups.stragglers_left(self.pool, everyone))
         pending = []
         for kinds, writers in self._confirm:
             left = [x for x in writers if x in running]
@@ -689,8 +689,8 @@ class Dispatcher:
             self._cursors.pop(kind, None)
             self._notified.add(kind)
 
-    def _deliver(self, jobs: list[queue.LeasedJob]) -> None:
-        by_session: dict[str, list[queue.LeasedJob]] = {}
+    def _deliver(self, jobs: list[LeasedJob]) -> None:
+        by_session: dict[str, list[LeasedJob]] = {}
         for j in jobs:
             by_session.setdefault(j.leased_by, []).append(j)
         for kind, n in Counter(j.kind for j in jobs).items():

@@ -23,9 +23,10 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from gpuq import db, logs, metrics, queue
+from gpuq import admin, db, logs, metrics
 from gpuq.config import ConfigError, ServerConfig
 from gpuq.dispatcher import AgentSession, Dispatcher
+from gpuq.jobs import LIVE_STATES
 from gpuq.maintenance import Maintainer
 from gpuq.migrate import pending_migrations
 from gpuq.protocol import CloseCode, Welcome, server_side, slots
@@ -85,8 +86,8 @@ class AgentServer:
             return _response(HTTPStatus.OK, json.dumps(body).encode(), "application/json")
         if path == "/metrics":
             try:
-                counts = await queue.status_counts(self.d.pool)
-                for status in queue.LIVE_STATES:
+                counts = await admin.status_counts(self.d.pool)
+                for status in LIVE_STATES:
                     metrics.QUEUE_DEPTH.labels(status=status).set(counts.total(status))
             except db.RETRYABLE_ERRORS:
                 pass  # the rest of the metrics are still worth serving
@@ -104,7 +105,7 @@ class AgentServer:
         if not tail.isdigit() or not 0 < int(tail) < 2**63:
             return _response(HTTPStatus.BAD_REQUEST, b"expected /jobs/<job id>\n", "text/plain")
         try:
-            job = await queue.show(self.d.pool, int(tail))
+            job = await admin.show(self.d.pool, int(tail))
         except db.RETRYABLE_ERRORS as exc:
             return _response(HTTPStatus.SERVICE_UNAVAILABLE,
                              json.dumps({"error": f"database unavailable: {exc}"}).encode(), "application/json")
@@ -135,11 +136,11 @@ class AgentServer:
                     "draining": self.d.stopping}
 
     async def status(self) -> dict[str, Any]:
-        counts = await queue.status_counts(self.d.pool)
+        counts = await admin.status_counts(self.d.pool)
         body = counts.as_dict()
         body["agents"] = [self._agent_status(s) for s in self.d.sessions.values()]
         body["unplaceable"] = await self.d.unplaceable()
-        body["limits"] = await queue.limits(self.d.pool)
+        body["limits"] = await admin.limits(self.d.pool)
         body["agents_connected"] = len(self.d.sessions)
         body["slots"] = self.slots_status()
         return body
@@ -158,7 +159,7 @@ class AgentServer:
     def _agent_status(self, s: AgentSession) -> dict[str, Any]:
         proto = s.protocol
         reserved = self.d.reserved.get(s.id)
-        shape = self.d.shape(reserved) if reserved else None
+        shape = self.d.shape_by_key(reserved) if reserved else None
         return {"agent": s.id, "kinds": sorted(s.kinds), "capacity": s.capacity, "prefetch": proto.prefetch,
                 "inflight": len(s.inflight), "unstarted": len(proto.unstarted()),
                 "busy_fraction": slots.busy_fraction(*proto.busy.totals(time.monotonic())),

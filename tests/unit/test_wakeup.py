@@ -1,6 +1,13 @@
 """The NOTIFY payload's grammar: what each notification tells a dispatcher's lease cursors."""
 
-from gpuq.queue import Wakeup, parse_wakeup
+from gpuq.wakeups import (
+    CANCEL_PREFIX,
+    Wakeup,
+    ids_payloads,
+    kinds_payload,
+    parse_cancel,
+    parse_wakeup,
+)
 
 
 def test_inserted_kinds_carry_their_top_priority():
@@ -25,6 +32,27 @@ def test_a_bare_kind_or_a_star():
 
 def test_a_plus_is_new_jobs_of_any_kind_ahead_of_the_cursors():
     assert parse_wakeup("+") == Wakeup({}, every=True, rewind=False)
+
+
+def test_a_cancel_payload_lists_its_ids_and_skips_junk():
+    assert parse_cancel("cancel:41,42") == [41, 42]
+    assert parse_cancel("cancel:7,x,,-3") == [7]
+    assert parse_cancel("cancel:") == []
+
+
+def test_built_payloads_parse_back():
+    assert kinds_payload(["b", "a", "a"]) == "a,b"
+    assert parse_wakeup(kinds_payload(["b", "a"], behind=True)) == Wakeup({"a": None, "b": None})
+    assert kinds_payload(["k" * 100 + str(i) for i in range(100)]) == "*"  # too long for one NOTIFY
+    assert parse_cancel(ids_payloads([41, 42], CANCEL_PREFIX)[0]) == [41, 42]
+
+
+def test_ids_are_split_to_fit_notify():
+    ids = list(range(10**18, 10**18 + 1000))
+    payloads = ids_payloads(ids)
+    assert all(len(p) < 8000 for p in payloads)
+    assert [int(i) for p in payloads for i in p.split(",")] == ids
+    assert ids_payloads([]) == []
 
 
 async def test_a_plus_wakes_every_group_and_keeps_the_cursors():

@@ -29,7 +29,9 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from gpuq import db, logs, queue
+from gpuq import db, logs
+from gpuq.admin import LIST_WINDOW, retry_count, status_counts
+from gpuq.jobs import JobFilter
 from gpuq.loops import run_every
 from gpuq.ui import actions, auth, params, views
 from gpuq.ui.shared import Shared
@@ -92,7 +94,7 @@ class Dashboard:
     async def _overview(self) -> dict[str, Any]:
         return await self.shared.get("overview", lambda: views.overview(self.server))
 
-    async def _jobs(self, which: queue.JobFilter, before: int | None) -> dict[str, Any]:
+    async def _jobs(self, which: JobFilter, before: int | None) -> dict[str, Any]:
         return await self.shared.get(("jobs", which, before), lambda: views.jobs(self.server, which, before))
 
     async def _controls(self) -> dict[str, Any]:
@@ -104,7 +106,7 @@ class Dashboard:
     async def sample_forever(self) -> None:
         """Take the overview's samples (``trend``) until cancelled; a database outage is retried."""
         async def sample() -> None:
-            self.trend.take(await queue.status_counts(self.server.d.pool))
+            self.trend.take(await status_counts(self.server.d.pool))
 
         await run_every(self.trend.sample_seconds, sample, errors=db.RETRYABLE_ERRORS,
                         on_error=lambda exc, delay: log.warning("ui.sample_failed", error=str(exc), retry_in=delay))
@@ -201,7 +203,7 @@ class Dashboard:
         return _html(self._page("jobs.html", session, "jobs", live_params={**params.filter_params(which),
                                 **({} if before is None else {"before": str(before)})},
                                 view=await self._jobs(which, before), query=query, states=views.STATES,
-                                window=queue.LIST_WINDOW))
+                                window=LIST_WINDOW))
 
     async def _controls_page(self, session: auth.Session, args: dict[str, str]) -> Response:
         return _html(self._page("controls.html", session, "controls", controls=await self._controls()))
@@ -223,7 +225,7 @@ class Dashboard:
             return _text(HTTPStatus.FORBIDDEN, "a read-only session has no actions\n")
         try:
             which = params.retry_filter(args)
-            n = await queue.retry_count(self.server.d.pool, which)
+            n = await retry_count(self.server.d.pool, which)
         except ValueError as exc:
             return _text(HTTPStatus.BAD_REQUEST, f"{exc}\n")
         return _html(_templates.get_template("retry_confirm.html").render(n=n, query=params.filter_query(which)))
@@ -267,7 +269,7 @@ class Dashboard:
 
         async def jobs() -> str:
             return render("jobs_body.html", view=await self._jobs(which, before),
-                          query=params.filter_query(which), window=queue.LIST_WINDOW)
+                          query=params.filter_query(which), window=LIST_WINDOW)
 
         async def job() -> str:
             return render("job_body.html", job=await self._job(job_id), outcomes=OUTCOMES)
