@@ -31,7 +31,7 @@ from typing import Protocol
 from gpuq.jobs import Shape
 from gpuq.protocol import PLACEMENT_SINCE, Device
 
-ShapeKey = tuple[str, str]  # (kind, shape)
+ShapeKey = tuple[str, str]  # (kind, digest): Shape.key
 NONE: Mapping[str, ShapeKey] = MappingProxyType({})
 
 

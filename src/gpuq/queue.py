@@ -126,8 +126,9 @@ async def lease_slots(db: DB, kinds: Sequence[str], slots: Sequence[str], lease_
     "Lease cursors"). Ids are drawn at insert, not at commit, so a job can
     commit behind a cursor: the cursors returned never pass ``settled``, an
     id up to which every job had committed or rolled back before this lease
-    began (``insert_horizon``); None: no insert can be in flight. Other jobs
-    that land behind a cursor are the caller's to catch by dropping it.
+    began (``wakeups.insert_horizon``); None: no insert can be in flight.
+    Other jobs that land behind a cursor are the caller's to catch by
+    dropping it.
     Phase 2, only for the slots phase 1 left, reclaims expired leases
     (jobs_leased_idx), sending those out of attempts to dead.
     One statement.
