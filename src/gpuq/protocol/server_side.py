@@ -56,6 +56,7 @@ from gpuq.protocol.codes import (
     ProtocolError,
 )
 from gpuq.protocol.describe import DeviceUsage
+from gpuq.protocol.frames import encode, job_message, jobs_frame
 from gpuq.protocol.messages import (
     Ack,
     Cancel,
@@ -74,11 +75,8 @@ from gpuq.protocol.messages import (
     Started,
     Update,
     Welcome,
-    encode,
-    job_message,
-    jobs_frame,
-    parse_client,
 )
+from gpuq.protocol.parse import parse_client
 from gpuq.protocol.slots import BusyWindow, SlotReport
 
 HELLO_TIMEOUT_SECONDS = 10.0
