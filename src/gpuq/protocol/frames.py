@@ -12,28 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpuq.protocol import messages as m
 from gpuq.protocol.codes import MAX_RESULTS, PLACEMENT_SINCE, PREFETCH_SINCE
 from gpuq.protocol.describe import device_json, usage_json
 from gpuq.protocol.fields import progress_item, to_json
-from gpuq.protocol.messages import (
-    Ack,
-    Cancel,
-    ClientMessage,
-    Done,
-    Drain,
-    Error,
-    Failed,
-    Heartbeat,
-    Hello,
-    Progress,
-    Release,
-    Results,
-    ServerDrain,
-    ServerMessage,
-    Started,
-    Update,
-    Welcome,
-)
 from gpuq.protocol.slots import slots_json
 
 __all__ = ["RESULTS_OVERHEAD", "encode", "encode_done", "job_message", "jobs_frame", "pack_progress", "pack_results"]
@@ -43,44 +25,44 @@ _PROGRESS_HEAD = '{"type":"progress","updates":['
 RESULTS_OVERHEAD = len(_RESULTS_HEAD) + len(_RESULTS_TAIL)  # bytes a one-item frame adds to its item
 
 
-def encode(msg: ServerMessage | ClientMessage) -> str:
+def encode(msg: m.ServerMessage | m.ClientMessage) -> str:
     """One JSON text frame for any message but ``Jobs``: the server pushes jobs with ``jobs_frame``."""
     body: dict[str, Any]
-    if isinstance(msg, Done):  # the per-job messages first
+    if isinstance(msg, m.Done):  # the per-job messages first
         return encode_done(msg.id, msg.lease_token, msg.result)
-    if isinstance(msg, Ack):
+    if isinstance(msg, m.Ack):
         body = {"type": "ack", "accepted": list(msg.accepted), "rejected": list(msg.rejected)}
-    elif isinstance(msg, Failed):
+    elif isinstance(msg, m.Failed):
         body = {"type": "failed", "id": msg.id, "lease_token": msg.lease_token, "error": msg.error,
                 "retryable": msg.retryable}
-    elif isinstance(msg, Results):
+    elif isinstance(msg, m.Results):
         return pack_results([encode(o) for o in msg.outcomes], 1 << 62, msg.started)[0]
-    elif isinstance(msg, Started | Release):
-        body = {"type": "started" if isinstance(msg, Started) else "release", "ids": list(msg.ids)}
-    elif isinstance(msg, Welcome):
+    elif isinstance(msg, m.Started | m.Release):
+        body = {"type": "started" if isinstance(msg, m.Started) else "release", "ids": list(msg.ids)}
+    elif isinstance(msg, m.Welcome):
         body = {"type": "welcome", "agent_id": msg.agent_id, "protocol": msg.protocol,
                 "lease_seconds": msg.lease_seconds,
                 "heartbeat_seconds": msg.heartbeat_seconds, "max_payload": msg.max_payload}
-    elif isinstance(msg, ServerDrain):
+    elif isinstance(msg, m.ServerDrain):
         body = {"type": "drain", "deadline_seconds": msg.deadline_seconds}
-    elif isinstance(msg, Cancel):
+    elif isinstance(msg, m.Cancel):
         body = {"type": "cancel", "ids": list(msg.ids)}
-    elif isinstance(msg, Error):
+    elif isinstance(msg, m.Error):
         body = {"type": "error", "code": msg.code, "message": msg.message}
-    elif isinstance(msg, Hello):
+    elif isinstance(msg, m.Hello):
         body = _hello(msg)
-    elif isinstance(msg, Heartbeat):
+    elif isinstance(msg, m.Heartbeat):
         body = {"type": "heartbeat", "ids": list(msg.ids)}
         if msg.devices is not None:
             body["devices"] = [usage_json(u) for u in msg.devices]
         if msg.slots is not None:
             body["slots"] = slots_json(msg.slots)
-    elif isinstance(msg, Update):
+    elif isinstance(msg, m.Update):
         body = {"type": "update", "labels": None if msg.labels is None else list(msg.labels),
                 "models": None if msg.models is None else list(msg.models)}
-    elif isinstance(msg, Drain):
+    elif isinstance(msg, m.Drain):
         body = {"type": "drain"}
-    elif isinstance(msg, Progress):
+    elif isinstance(msg, m.Progress):
         return pack_progress([progress_item(u.id, u.lease_token, u.fraction, u.message, u.data)
                               for u in msg.updates], 1 << 62)[0]
     else:  # pragma: no cover - a programming error (or ``Jobs``), not input
@@ -88,7 +70,7 @@ def encode(msg: ServerMessage | ClientMessage) -> str:
     return to_json(body)
 
 
-def _hello(msg: Hello) -> dict[str, Any]:
+def _hello(msg: m.Hello) -> dict[str, Any]:
     """A hello has the fields of its own version: an older agent's hello stays as it was."""
     body: dict[str, Any] = {"type": "hello", "agent": msg.agent, "kinds": list(msg.kinds),
                             "capacity": msg.capacity, "protocol": msg.protocol}

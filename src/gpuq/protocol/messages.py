@@ -30,6 +30,14 @@ class _JobIds:
     ids: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class _LeasedJob:
+    """The first fields of what is said about one leased job: its id, and the lease token that fences it."""
+
+    id: int
+    lease_token: str
+
+
 # --------------------------------------------------------------------------
 # Messages from the agent
 # --------------------------------------------------------------------------
@@ -50,16 +58,12 @@ class Hello:
 
 
 @dataclass(frozen=True, slots=True)
-class Done:
-    id: int
-    lease_token: str
+class Done(_LeasedJob):
     result: Any
 
 
 @dataclass(frozen=True, slots=True)
-class Failed:
-    id: int
-    lease_token: str
+class Failed(_LeasedJob):
     error: str
     retryable: bool
 
@@ -106,11 +110,9 @@ class Drain:
 
 
 @dataclass(frozen=True, slots=True)
-class ProgressUpdate:
+class ProgressUpdate(_LeasedJob):
     """How far one running job has got: ``fraction`` 0-1, an optional message and JSON ``data``."""
 
-    id: int
-    lease_token: str
     fraction: float
     message: str | None
     data: Any

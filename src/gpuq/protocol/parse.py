@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 from gpuq.kinds import KIND_RULE, is_kind
+from gpuq.protocol import messages as m
 from gpuq.protocol.codes import (
     MAX_CANCEL_IDS,
     MAX_CAPACITY,
@@ -44,28 +45,6 @@ from gpuq.protocol.fields import (
     timeout,
     token,
 )
-from gpuq.protocol.messages import (
-    Ack,
-    Cancel,
-    ClientMessage,
-    Done,
-    Drain,
-    Error,
-    Failed,
-    Heartbeat,
-    Hello,
-    JobMessage,
-    Jobs,
-    Progress,
-    ProgressUpdate,
-    Release,
-    Results,
-    ServerDrain,
-    ServerMessage,
-    Started,
-    Update,
-    Welcome,
-)
 from gpuq.protocol.slots import slots_from
 
 __all__ = ["AGENT_NAME", "parse_client", "parse_server"]
@@ -78,7 +57,7 @@ AGENT_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
 # --------------------------------------------------------------------------
 
 
-def parse_client(frame: str | bytes, max_size: int) -> ClientMessage:
+def parse_client(frame: str | bytes, max_size: int) -> m.ClientMessage:
     """Parse one frame from an agent, or raise ``ProtocolError``."""
     if isinstance(frame, bytes):
         raise ProtocolError(BAD_MESSAGE, "binary frames are not supported; send JSON text", fatal=True,
@@ -108,22 +87,22 @@ def parse_client(frame: str | bytes, max_size: int) -> ClientMessage:
             raise ProtocolError(BAD_MESSAGE, f"results.results must be a list of 1-{MAX_RESULTS} "
                                 "done or failed messages")
         maybe_nul = "\\u0000" in frame
-        return Results(tuple(_outcome(item, maybe_nul) for item in items),
-                       job_ids(obj["started"], "results.started") if "started" in obj else ())
+        return m.Results(tuple(_outcome(item, maybe_nul) for item in items),
+                         job_ids(obj["started"], "results.started") if "started" in obj else ())
     if kind in ("started", "release"):
-        return (Started if kind == "started" else Release)(job_ids(obj["ids"], f"{kind}.ids"))
+        return (m.Started if kind == "started" else m.Release)(job_ids(obj["ids"], f"{kind}.ids"))
     if kind == "heartbeat":
-        return Heartbeat(job_ids(obj["ids"], "heartbeat.ids"), usage_from(obj["devices"]) if "devices" in obj else None,
-                         slots_from(obj["slots"]) if "slots" in obj else None)
+        return m.Heartbeat(job_ids(obj["ids"], "heartbeat.ids"), usage_from(obj["devices"]) if "devices" in obj else None,
+                           slots_from(obj["slots"]) if "slots" in obj else None)
     if kind == "update":
-        return Update(None if obj["labels"] is None else check_labels(obj["labels"], "update.labels"),
-                      None if obj["models"] is None else check_models(obj["models"], "update.models"))
+        return m.Update(None if obj["labels"] is None else check_labels(obj["labels"], "update.labels"),
+                        None if obj["models"] is None else check_models(obj["models"], "update.models"))
     if kind == "progress":
         updates = obj["updates"]
         if not isinstance(updates, list) or not 1 <= len(updates) <= MAX_RESULTS:
             raise ProtocolError(BAD_MESSAGE, f"progress.updates must be a list of 1-{MAX_RESULTS} updates")
-        return Progress(tuple(_progress_update(u) for u in updates))
-    return Drain()
+        return m.Progress(tuple(_progress_update(u) for u in updates))
+    return m.Drain()
 
 
 _OUTCOME_FIELDS = {
@@ -147,7 +126,7 @@ _RESULTS_5_FIELDS = _CLIENT_FIELDS["results"] | {"started"}
 _PROGRESS_FIELDS = {"id", "lease_token", "fraction", "message", "data"}
 
 
-def _progress_update(obj: Any) -> ProgressUpdate:
+def _progress_update(obj: Any) -> m.ProgressUpdate:
     if not isinstance(obj, dict) or obj.keys() != _PROGRESS_FIELDS:
         raise ProtocolError(BAD_MESSAGE, "each progress update must be an object with exactly "
                             f"{', '.join(sorted(_PROGRESS_FIELDS))}")
@@ -155,10 +134,10 @@ def _progress_update(obj: Any) -> ProgressUpdate:
         fraction, message, _ = check_progress(obj["fraction"], obj["message"], obj["data"])
     except ValueError as exc:
         raise ProtocolError(BAD_MESSAGE, str(exc)) from None
-    return ProgressUpdate(job_id(obj["id"]), token(obj["lease_token"]), fraction, message, obj["data"])
+    return m.ProgressUpdate(job_id(obj["id"]), token(obj["lease_token"]), fraction, message, obj["data"])
 
 
-def _outcome(obj: Any, maybe_nul: bool) -> Done | Failed:
+def _outcome(obj: Any, maybe_nul: bool) -> m.Done | m.Failed:
     """A done or failed object, alone or inside ``results``."""
     kind = obj.get("type") if isinstance(obj, dict) else None
     fields = _OUTCOME_FIELDS.get(kind) if isinstance(kind, str) else None
@@ -170,14 +149,14 @@ def _outcome(obj: Any, maybe_nul: bool) -> Done | Failed:
         # PostgreSQL's jsonb cannot store U+0000: refuse it here, not in a batch write.
         if maybe_nul and contains_nul(obj["result"]):
             raise ProtocolError(BAD_MESSAGE, "done.result must not contain the character U+0000")
-        return Done(job_id(obj["id"]), token(obj["lease_token"]), obj["result"])
+        return m.Done(job_id(obj["id"]), token(obj["lease_token"]), obj["result"])
     error = obj["error"]
     if not isinstance(error, str):
         raise ProtocolError(BAD_MESSAGE, "failed.error must be a string")
     if not isinstance(obj["retryable"], bool):
         raise ProtocolError(BAD_MESSAGE, "failed.retryable must be true or false")
-    return Failed(job_id(obj["id"]), token(obj["lease_token"]),
-                  error[:MAX_ERROR_TEXT].replace("\x00", "\ufffd"), obj["retryable"])
+    return m.Failed(job_id(obj["id"]), token(obj["lease_token"]),
+                    error[:MAX_ERROR_TEXT].replace("\x00", "\ufffd"), obj["retryable"])
 
 def _hello_version(obj: dict[str, Any]) -> int:
     """The hello's protocol version, checked first: its fields depend on it."""
@@ -189,7 +168,7 @@ def _hello_version(obj: dict[str, Any]) -> int:
     return int(version)
 
 
-def _hello(obj: dict[str, Any]) -> Hello:
+def _hello(obj: dict[str, Any]) -> m.Hello:
     version = obj["protocol"]
     agent, kinds, capacity = obj["agent"], obj["kinds"], obj["capacity"]
     if not isinstance(agent, str) or not AGENT_NAME.fullmatch(agent):
@@ -202,13 +181,13 @@ def _hello(obj: dict[str, Any]) -> Hello:
     if not is_int(capacity) or not 1 <= capacity <= MAX_CAPACITY:
         raise ProtocolError(BAD_MESSAGE, f"hello.capacity must be an integer 1-{MAX_CAPACITY}", fatal=True)
     if version < PLACEMENT_SINCE:
-        return Hello(agent, tuple(dict.fromkeys(kinds)), capacity, version)
+        return m.Hello(agent, tuple(dict.fromkeys(kinds)), capacity, version)
     prefetch = obj.get("prefetch", 0)
     if not is_int(prefetch) or not 0 <= prefetch <= MAX_PREFETCH:
         raise ProtocolError(BAD_MESSAGE, f"hello.prefetch must be an integer 0-{MAX_PREFETCH}", fatal=True)
-    return Hello(agent, tuple(dict.fromkeys(kinds)), capacity, version, devices_from(obj["devices"]),
-                 check_labels(obj["labels"], "hello.labels", fatal=True),
-                 check_models(obj["models"], "hello.models", fatal=True), prefetch)
+    return m.Hello(agent, tuple(dict.fromkeys(kinds)), capacity, version, devices_from(obj["devices"]),
+                   check_labels(obj["labels"], "hello.labels", fatal=True),
+                   check_models(obj["models"], "hello.models", fatal=True), prefetch)
 
 
 
@@ -217,7 +196,7 @@ def _hello(obj: dict[str, Any]) -> Hello:
 # --------------------------------------------------------------------------
 
 
-def parse_server(frame: str | bytes) -> ServerMessage:
+def parse_server(frame: str | bytes) -> m.ServerMessage:
     """Parse one frame from the server (the agent side); ``ProtocolError`` if malformed."""
     if isinstance(frame, bytes):
         raise ProtocolError(BAD_MESSAGE, "binary frame from the server")
@@ -225,24 +204,24 @@ def parse_server(frame: str | bytes) -> ServerMessage:
     kind = obj.get("type")
     try:
         if kind == "welcome":
-            return Welcome(str(obj["agent_id"]), float(obj["lease_seconds"]),
-                           float(obj["heartbeat_seconds"]), int(obj["max_payload"]), int(obj["protocol"]))
+            return m.Welcome(str(obj["agent_id"]), float(obj["lease_seconds"]),
+                             float(obj["heartbeat_seconds"]), int(obj["max_payload"]), int(obj["protocol"]))
         if kind == "jobs":
-            return Jobs(tuple(JobMessage(job_id(j["id"]), token(j["lease_token"]), str(j["kind"]),
-                                         j["payload"], int(j["attempt"]), timeout(j.get("timeout")),
-                                         device_indices(j.get("devices")), queued(j.get("queued_ms")))
-                              for j in obj["jobs"]))
+            return m.Jobs(tuple(m.JobMessage(job_id(j["id"]), token(j["lease_token"]), str(j["kind"]),
+                                             j["payload"], int(j["attempt"]), timeout(j.get("timeout")),
+                                             device_indices(j.get("devices")), queued(j.get("queued_ms")))
+                                for j in obj["jobs"]))
         if kind == "ack":
-            return Ack(tuple(job_id(i) for i in obj["accepted"]), tuple(job_id(i) for i in obj["rejected"]))
+            return m.Ack(tuple(job_id(i) for i in obj["accepted"]), tuple(job_id(i) for i in obj["rejected"]))
         if kind == "drain":
-            return ServerDrain(float(obj["deadline_seconds"]))
+            return m.ServerDrain(float(obj["deadline_seconds"]))
         if kind == "error":
-            return Error(str(obj["code"]), str(obj["message"]))
+            return m.Error(str(obj["code"]), str(obj["message"]))
         if kind == "cancel":
             ids = obj["ids"]
             if not isinstance(ids, list) or len(ids) > MAX_CANCEL_IDS:
                 raise ValueError(f"cancel.ids must be a list of at most {MAX_CANCEL_IDS} job ids")
-            return Cancel(tuple(job_id(i) for i in ids))
+            return m.Cancel(tuple(job_id(i) for i in ids))
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(BAD_MESSAGE, f"malformed {kind} message from the server: {exc}") from None
     raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r} from the server")

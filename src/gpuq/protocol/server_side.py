@@ -136,12 +136,10 @@ class SlotsReported:
     report: SlotReport
 
 
-@dataclass(frozen=True, slots=True)
-class FrameRefused:
-    """A frame got an ``error`` (or closed the connection): for metrics and logs."""
+class FrameRefused(Error):
+    """A frame got this ``error`` (or, for the same reason, closed the connection): for metrics and logs."""
 
-    code: ErrorCode
-    message: str
+    __slots__ = ()
 
 
 Event = (HelloReceived | OutcomesReceived | HeartbeatReceived | DrainRequested | ProgressReceived | AgentUpdated
