@@ -93,16 +93,16 @@ class AgentSession:
 
     @property
     def capacity(self) -> int:
-        return self.protocol.capacity
+        return self.protocol.ledger.capacity
 
     @property
     def inflight(self) -> dict[int, tuple[str, str]]:
         """Job id -> (lease token, kind) of the jobs pushed and not yet reported."""
-        return self.protocol.held
+        return self.protocol.ledger.held
 
     @property
     def free(self) -> int:
-        return self.protocol.free
+        return self.protocol.ledger.free
 
     @property
     def devices(self) -> tuple[Device, ...]:
@@ -122,10 +122,10 @@ class AgentSession:
         return frozenset(self.protocol.models)
 
     def free_devices(self, min_memory_mb: int = 0) -> list[int]:
-        return self.protocol.free_devices(min_memory_mb)
+        return self.protocol.ledger.free_devices(min_memory_mb)
 
     def ready_devices(self, min_memory_mb: int = 0) -> list[int]:
-        return self.protocol.ready_devices(min_memory_mb)
+        return self.protocol.ledger.ready_devices(min_memory_mb)
 
     @property
     def draining(self) -> bool:
@@ -204,7 +204,7 @@ class Dispatcher:
             released: list[int] = []
             try:
                 await self.completer.flush()
-                moved = await queue.release_agent(self.pool, session.id, session.protocol.started_ids())
+                moved = await queue.release_agent(self.pool, session.id, session.protocol.ledger.started_ids())
                 released = moved.pending + moved.dead
                 if moved.dead:
                     log.info("job.dead", agent=session.id, job_ids=moved.dead, count=len(moved.dead),

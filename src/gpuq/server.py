@@ -30,6 +30,7 @@ from gpuq.jobs import LIVE_STATES
 from gpuq.maintenance import Maintainer
 from gpuq.migrate import pending_migrations
 from gpuq.protocol import CloseCode, Welcome, server_side, slots
+from gpuq.protocol.ledger import device_status
 from gpuq.protocol.server_side import ServerProtocol
 from gpuq.sql import queries
 from gpuq.ui.web import LIVE_PATH, UI, Dashboard
@@ -91,7 +92,7 @@ class AgentServer:
                     metrics.QUEUE_DEPTH.labels(status=status).set(counts.total(status))
             except db.RETRYABLE_ERRORS:
                 pass  # the rest of the metrics are still worth serving
-            metrics.show_devices((s.id, s.devices, s.protocol.usage) for s in self.d.sessions.values())
+            metrics.show_devices((s.id, s.devices, s.protocol.ledger.usage) for s in self.d.sessions.values())
             return _response(HTTPStatus.OK, generate_latest(metrics.REGISTRY), CONTENT_TYPE_LATEST)
         return _response(HTTPStatus.NOT_FOUND, b"not found: try /ui, /agent, /healthz, /status, /metrics, /jobs/ID\n",
                          "text/plain")
@@ -151,7 +152,7 @@ class AgentServer:
         now = time.monotonic()
         busy = idle = 0.0
         for s in self.d.sessions.values():
-            b, i = s.protocol.busy.totals(now)
+            b, i = s.protocol.ledger.busy.totals(now)
             busy, idle = busy + b, idle + i
         return {"busy_fraction": slots.busy_fraction(busy, idle), "busy_seconds": round(busy / 1000, 3),
                 "gap_seconds": round(idle / 1000, 3), "window_seconds": slots.BUSY_WINDOW_SECONDS}
@@ -160,10 +161,10 @@ class AgentServer:
         proto = s.protocol
         reserved = self.d.reserved.get(s.id)
         shape = self.d.shape_by_key(reserved) if reserved else None
-        return {"agent": s.id, "kinds": sorted(s.kinds), "capacity": s.capacity, "prefetch": proto.prefetch,
-                "inflight": len(s.inflight), "unstarted": len(proto.unstarted()),
-                "busy_fraction": slots.busy_fraction(*proto.busy.totals(time.monotonic())),
-                "draining": s.draining, "protocol": proto.version, "remote": s.remote, "devices": proto.device_status(),
+        return {"agent": s.id, "kinds": sorted(s.kinds), "capacity": s.capacity, "prefetch": proto.ledger.prefetch,
+                "inflight": len(s.inflight), "unstarted": len(proto.ledger.unstarted()),
+                "busy_fraction": slots.busy_fraction(*proto.ledger.busy.totals(time.monotonic())),
+                "draining": s.draining, "protocol": proto.version, "remote": s.remote, "devices": device_status(proto.ledger),
                 "labels": list(proto.labels), "models": list(proto.models),
                 "reserved_for": {"kind": shape.kind, "gpus": shape.gpus} if shape else None,
                 "progress": {str(i): p for i, p in self.d.progress.of(s.inflight).items()}}

@@ -14,6 +14,7 @@ from typing import Any
 from gpuq import admin, schedules
 from gpuq.jobs import LIST_STATES, JobFilter, error_line
 from gpuq.protocol import slots
+from gpuq.protocol.ledger import device_status
 
 
 async def overview(server: Any) -> dict[str, Any]:
@@ -44,10 +45,10 @@ def agents(server: Any) -> list[dict[str, Any]]:
         beat = proto.last_heartbeat
         out.append({
             "id": s.id, "remote": s.remote, "kinds": sorted(s.kinds), "capacity": s.capacity,
-            "inflight": len(s.inflight), "devices": proto.device_status(), "labels": list(proto.labels),
+            "inflight": len(s.inflight), "devices": device_status(proto.ledger), "labels": list(proto.labels),
             "models": list(proto.models), "protocol": proto.version, "draining": s.draining,
             "last_heartbeat": None if beat is None else age(now - beat),
-            "busy_fraction": slots.busy_fraction(*proto.busy.totals(now)),
+            "busy_fraction": slots.busy_fraction(*proto.ledger.busy.totals(now)),
         })
     return sorted(out, key=lambda a: a["id"])
 
