@@ -25,7 +25,7 @@ from gpuq import db
 from gpuq.devdb import Cluster, DevDBError, throwaway_cluster
 from gpuq.devpooler import Bouncer
 from gpuq.migrate import migrate
-from gpuq.queue import NOTIFY_CHANNEL, arm_wakeups
+from gpuq.wakeups import NOTIFY_CHANNEL, arm_wakeups
 
 
 @pytest.fixture(scope="session")

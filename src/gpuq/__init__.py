@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from gpuq.jobs import NewJob
     from gpuq.producer import (
         JobCancelled,
         JobDead,
@@ -20,13 +21,12 @@ if TYPE_CHECKING:
         show,
         wait,
     )
-    from gpuq.queue import NewJob
 
 __all__ = ["JobCancelled", "JobDead", "JobError", "NewJob", "WaitTimeout", "cancel", "enqueue", "enqueue_many",
            "show", "wait"]
 __version__ = "0.1.0"
 
-_LAZY = {"NewJob": "gpuq.queue", **dict.fromkeys(
+_LAZY = {"NewJob": "gpuq.jobs", **dict.fromkeys(
     ("enqueue", "enqueue_many", "cancel", "show", "wait", "JobError", "JobDead", "JobCancelled", "WaitTimeout"),
     "gpuq.producer")}
 

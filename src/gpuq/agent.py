@@ -49,7 +49,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI
 
 from gpuq import gpus, logs, protocol
-from gpuq.loops import RetryBackoff, run_every
+from gpuq.loops import LoopBackoff, run_every
 from gpuq.protocol import Ack, Cancel, Error, Hello, Jobs, ServerDrain, Welcome
 from gpuq.protocol.agent_side import AgentProtocol, ThreadSafeAgentProtocol
 from gpuq.signals import stop_on_signal
@@ -149,7 +149,7 @@ class Agent:
     async def run(self) -> None:
         """Connect, run jobs, reconnect with backoff; return once stopped and everything is acked."""
         await run_every(self.reconnect_min, self._connection,
-                        backoff=RetryBackoff(self.reconnect_min, self.reconnect_max),
+                        backoff=LoopBackoff(self.reconnect_min, self.reconnect_max),
                         errors=(OSError, ConnectionClosed, TimeoutError, InvalidStatus, protocol.ProtocolError),
                         on_error=self._connection_lost, until=self._done, wake=self._stop_event)
 

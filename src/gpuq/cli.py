@@ -392,7 +392,7 @@ def load_handler(spec: str) -> Callable[..., Any]:
 
 def cmd_enqueue(args: argparse.Namespace) -> int:
     from gpuq import queue
-    from gpuq.queue import NewJob
+    from gpuq.jobs import NewJob
 
     if args.stdin:
         if args.kind:
@@ -401,10 +401,12 @@ def cmd_enqueue(args: argparse.Namespace) -> int:
     if not args.kind:
         raise CLIError("missing job kind (or use --stdin)")
     try:
-        job = NewJob(args.kind, _json_arg(args.payload, "payload"), args.priority, args.max_attempts, args.delay,
-                     dedup_key=args.dedup_key, timeout_seconds=args.timeout, gpus=args.gpus,
-                     gpu_memory_mb=args.gpu_memory, labels=tuple(config.parse_list(args.labels, "--labels")),
-                     model=args.model, concurrency_key=args.concurrency_key)
+        job = NewJob.from_mapping({
+            "kind": args.kind, "payload": _json_arg(args.payload, "payload"), "priority": args.priority,
+            "max_attempts": args.max_attempts, "delay": args.delay, "dedup_key": args.dedup_key,
+            "timeout": args.timeout, "gpus": args.gpus, "gpu_memory_mb": args.gpu_memory,
+            "labels": config.parse_list(args.labels, "--labels"), "model": args.model,
+            "concurrency_key": args.concurrency_key})
     except ValueError as exc:
         raise CLIError(str(exc)) from None
 
@@ -414,23 +416,12 @@ def cmd_enqueue(args: argparse.Namespace) -> int:
 
 def _enqueue_stdin(args: argparse.Namespace) -> int:
     from gpuq import queue
-    from gpuq.queue import NewJob
+    from gpuq.jobs import NewJob
 
     def parse(lineno: int, line: str) -> NewJob:
-        obj = _json_arg(line, f"stdin line {lineno}")
-        if not isinstance(obj, dict) or "kind" not in obj:
-            raise CLIError(f"stdin line {lineno}: expected an object with a \"kind\"")
-        unknown = set(obj) - {"kind", "payload", "priority", "max_attempts", "delay", "dedup_key", "timeout",
-                              "gpus", "gpu_memory_mb", "labels", "model", "concurrency_key"}
-        if unknown:
-            raise CLIError(f"stdin line {lineno}: unknown field(s) {', '.join(sorted(unknown))}")
         try:
-            return NewJob(obj["kind"], obj.get("payload"), obj.get("priority", 0), obj.get("max_attempts", 5),
-                          obj.get("delay", 0.0), dedup_key=obj.get("dedup_key"), timeout_seconds=obj.get("timeout"),
-                          gpus=obj.get("gpus", 0), gpu_memory_mb=obj.get("gpu_memory_mb"),
-                          labels=tuple(obj.get("labels", ())), model=obj.get("model"),
-                          concurrency_key=obj.get("concurrency_key"))
-        except (ValueError, TypeError) as exc:
+            return NewJob.from_mapping(_json_arg(line, f"stdin line {lineno}"))
+        except ValueError as exc:
             raise CLIError(f"stdin line {lineno}: {exc}") from None
 
     async def run(conn: Any) -> int:
@@ -458,9 +449,9 @@ def _json_arg(text: str, what: str) -> Any:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from gpuq import queue
+    from gpuq import admin
 
-    body = _on_db(args, queue.status_counts).as_dict()
+    body = _on_db(args, admin.status_counts).as_dict()
     if args.server:
         body["server"] = _fetch_server_status(args.server)
     if args.json:
@@ -485,12 +476,12 @@ def _admin(action: str, **fields: Any) -> None:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from gpuq import queue
+    from gpuq import admin
 
     async def read(conn: Any) -> dict[str, Any] | None:
-        found = await queue.show(conn, args.id)
+        found = await admin.show(conn, args.id)
         if found is not None:  # each attempt that did not succeed (the last one is the row itself)
-            found["failed_attempts"] = await queue.attempts(conn, args.id)
+            found["failed_attempts"] = await admin.attempts(conn, args.id)
         return found
 
     found = _on_db(args, read)
@@ -501,21 +492,22 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    from gpuq import queue
+    from gpuq import admin
+    from gpuq.jobs import JobFilter, error_line
 
     if not 1 <= args.limit <= 1000:
         raise CLIError(f"--limit must be 1-1000, not {args.limit}")
     try:
-        which = queue.JobFilter(kind=args.kind, state=args.state, key=args.key, error=args.error)
+        which = JobFilter(kind=args.kind, state=args.state, key=args.key, error=args.error)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
-    page = _on_db(args, lambda conn: queue.list_jobs(conn, which, args.before, args.limit))
+    page = _on_db(args, lambda conn: admin.list_jobs(conn, which, args.before, args.limit))
     if args.json:
         print(json.dumps({"jobs": page.jobs, "older": page.older, "searched_to": page.searched_to}, default=str))
         return 0
     rows: list[tuple[str, ...]] = [("id", "kind", "state", "attempts", "created", "error")]
     rows += [(str(j["id"]), j["kind"], j["status"], f"{j['attempts']}/{j['max_attempts']}",
-              j["created_at"].strftime("%Y-%m-%d %H:%M:%S"), queue.error_line(j["error"])[:60])
+              j["created_at"].strftime("%Y-%m-%d %H:%M:%S"), error_line(j["error"])[:60])
              for j in page.jobs]
     print("\n".join(_table(rows, right={0, 3})))
     if page.searched_to:
@@ -549,9 +541,9 @@ def cmd_wait(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     """Cancel each id; one line per id. Exit 1 if any was not live (finished or unknown)."""
-    from gpuq import queue
+    from gpuq import admin
 
-    cancelled = _on_db(args, lambda conn: queue.cancel(conn, *args.ids))
+    cancelled = _on_db(args, lambda conn: admin.cancel(conn, *args.ids))
     _admin("cancel", ids=args.ids, cancelled=sorted(cancelled))
     for job_id in args.ids:
         was = cancelled.get(job_id)
@@ -586,7 +578,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def cmd_kind_timeout(args: argparse.Namespace) -> int:
-    from gpuq import queue
+    from gpuq import admin
 
     if args.kind is not None and args.seconds is None:
         raise CLIError("give SECONDS (or none) after the kind; no arguments lists the defaults")
@@ -599,8 +591,8 @@ def cmd_kind_timeout(args: argparse.Namespace) -> int:
 
     async def run(conn: Any) -> dict[str, int]:
         if args.kind is not None:
-            await queue.set_kind_timeout(conn, args.kind, seconds)
-        return await queue.kind_timeouts(conn)
+            await admin.set_kind_timeout(conn, args.kind, seconds)
+        return await admin.kind_timeouts(conn)
 
     defaults = _on_db(args, run)
     if args.kind is not None:
@@ -613,7 +605,7 @@ def cmd_kind_timeout(args: argparse.Namespace) -> int:
 
 
 def cmd_limit(args: argparse.Namespace) -> int:
-    from gpuq import queue
+    from gpuq import admin
 
     if args.scope is not None and args.max_running is None:
         raise CLIError("give NAME and N (or none): gpuq limit kind|key NAME N|none; no arguments lists them")
@@ -627,10 +619,10 @@ def cmd_limit(args: argparse.Namespace) -> int:
     async def run(conn: Any) -> list[dict[str, Any]]:
         if args.scope is not None:
             try:
-                await queue.set_limit(conn, args.scope, args.name, limit)
+                await admin.set_limit(conn, args.scope, args.name, limit)
             except ValueError as exc:
                 raise CLIError(str(exc)) from None
-        return await queue.limits(conn)
+        return await admin.limits(conn)
 
     limits = _on_db(args, run)
     if args.scope is not None:
@@ -643,12 +635,12 @@ def cmd_limit(args: argparse.Namespace) -> int:
 
 
 def cmd_pause_resume(args: argparse.Namespace) -> int:
-    from gpuq import queue
+    from gpuq import admin
 
     if args.command == "pause":
-        changed = _on_db(args, lambda conn: queue.pause(conn, args.kind, by=getpass.getuser()))
+        changed = _on_db(args, lambda conn: admin.pause(conn, args.kind, by=getpass.getuser()))
     else:
-        changed = _on_db(args, lambda conn: queue.resume(conn, args.kind))
+        changed = _on_db(args, lambda conn: admin.resume(conn, args.kind))
     _admin(args.command, kind=args.kind, changed=changed)
     pausing = args.command == "pause"
     if changed:
@@ -659,13 +651,14 @@ def cmd_pause_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_retry(args: argparse.Namespace) -> int:
-    from gpuq import queue
+    from gpuq import admin
+    from gpuq.jobs import RetryFilter
 
-    which = queue.RetryFilter(ids=args.ids or None, kind=args.kind, error=args.error, since=args.since,
-                              until=args.until, state=args.state, key=args.key)
+    which = RetryFilter(ids=args.ids or None, kind=args.kind, error=args.error, since=args.since,
+                        until=args.until, state=args.state, key=args.key)
     which.args()  # no criterion at all is an error, before connecting
 
-    n = _on_db(args, lambda conn: (queue.retry_count if args.dry_run else queue.retry)(conn, which))
+    n = _on_db(args, lambda conn: (admin.retry_count if args.dry_run else admin.retry)(conn, which))
     if args.dry_run:
         print(f"{n} dead or cancelled job(s) would go back to pending (dry run: nothing changed)")
         return 0

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import anyio
 
-from gpuq import devdb, logs, metrics, queue
+from gpuq import admin, devdb, logs, metrics, queue
 from gpuq.agent import Agent
 from gpuq.config import ServerConfig
 from gpuq.db import create_pool
 from gpuq.demo import handle
+from gpuq.jobs import NewJob
 from gpuq.migrate import migrate
-from gpuq.queue import NewJob
 from gpuq.runtime import run_service
 from gpuq.server import serve
 from gpuq.signals import stop_on_signal
@@ -111,7 +111,7 @@ async def _progress(pool: object, producer: Producer, agents: list[Agent], stop:
         with anyio.move_on_after(1.0):
             await stop.wait()
         done = sum(a.completed for a in agents)
-        counts = await queue.status_counts(pool)  # type: ignore[arg-type]
+        counts = await admin.status_counts(pool)  # type: ignore[arg-type]
         connected = int(metrics.REGISTRY.get_sample_value("gpuq_agents_connected") or 0)
         print(f"t={time.monotonic() - t0:5.0f}s  enqueued {producer.enqueued:7d} ({producer.enqueued - last_enq:4d}/s)"
               f"  done {done:7d} ({done - last_done:4d}/s)  pending {counts.total('pending'):5d}"

@@ -8,10 +8,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gpuq import queue
+from gpuq import admin
 from gpuq.dispatcher import AgentSession, Dispatcher
 from gpuq.latency import JobLatency
 from gpuq.protocol import slots
+from gpuq.protocol.ledger import device_status
 
 
 class Fleet:
@@ -42,10 +43,10 @@ class Fleet:
         reserved = placing.reserved.get(s.id)
         shape = placing.shapes.get(reserved) if reserved else None
         beat = proto.last_heartbeat
-        return {"agent": s.id, "kinds": sorted(s.kinds), "capacity": s.capacity, "prefetch": proto.prefetch,
-                "inflight": len(s.inflight), "unstarted": len(proto.unstarted()),
-                "busy_fraction": slots.busy_fraction(*proto.busy.totals(now)),
-                "draining": s.draining, "protocol": proto.version, "remote": s.remote, "devices": proto.device_status(),
+        return {"agent": s.id, "kinds": sorted(s.kinds), "capacity": s.capacity, "prefetch": proto.ledger.prefetch,
+                "inflight": len(s.inflight), "unstarted": len(proto.ledger.unstarted()),
+                "busy_fraction": slots.busy_fraction(*proto.ledger.busy.totals(now)),
+                "draining": s.draining, "protocol": proto.version, "remote": s.remote, "devices": device_status(proto.ledger),
                 "labels": list(proto.labels), "models": list(proto.models),
                 "last_heartbeat_seconds": None if beat is None else round(now - beat, 3),
                 "reserved_for": {"kind": shape.kind, "gpus": shape.gpus} if shape else None,
@@ -57,7 +58,7 @@ class Fleet:
         now = time.monotonic()
         busy = idle = 0.0
         for s in self._d.sessions:
-            b, i = s.protocol.busy.totals(now)
+            b, i = s.protocol.ledger.busy.totals(now)
             busy, idle = busy + b, idle + i
         return {"busy_fraction": slots.busy_fraction(busy, idle), "busy_seconds": round(busy / 1000, 3),
                 "gap_seconds": round(idle / 1000, 3), "window_seconds": slots.BUSY_WINDOW_SECONDS}
@@ -68,15 +69,15 @@ class Fleet:
 
     def devices(self) -> list[tuple[str, Any, Any]]:
         """(agent, devices, usage) of every agent, for the GPU gauges on /metrics."""
-        return [(s.id, s.devices, s.protocol.usage) for s in self._d.sessions]
+        return [(s.id, s.devices, s.protocol.ledger.usage) for s in self._d.sessions]
 
     async def status(self) -> dict[str, Any]:
         """The body of ``/status``: live counts from the partial indexes, agents, limits, unplaceable jobs."""
-        counts = await queue.status_counts(self.pool)
+        counts = await admin.status_counts(self.pool)
         body = counts.as_dict()
         body["agents"] = self.agents()
         body["unplaceable"] = await self.unplaceable()
-        body["limits"] = await queue.limits(self.pool)
+        body["limits"] = await admin.limits(self.pool)
         body["agents_connected"] = self.agent_count
         body["slots"] = self.busy()
         return body

@@ -3,7 +3,7 @@
 Every service loop of gpuq (LISTEN, leasing, the completer, maintenance, the
 agent's connection) is a ``step`` called forever: after a success it waits
 ``interval``; after one of ``errors`` it waits a doubling, jittered delay
-(``RetryBackoff``) so an outage is retried, logged, and never fatal.
+(``LoopBackoff``) so an outage is retried, logged, and never fatal.
 Nothing here knows the database: the caller names its retryable errors.
 """
 
@@ -18,9 +18,10 @@ import anyio
 
 
 @dataclass(frozen=True)
-class RetryBackoff:
-    """Delays after consecutive failures: ``first``, doubling up to ``cap``, each times a
-    random factor in [1 - jitter, 1] so that many clients do not retry in step."""
+class LoopBackoff:
+    """A service loop's delays after consecutive failed steps: ``first``, doubling up to ``cap``,
+    each times a random factor in [1 - jitter, 1] so that many clients do not retry in step.
+    (A failed job's delay before its next attempt is ``gpuq.jobs.JobBackoff``, computed in SQL.)"""
 
     first: float = 0.05
     cap: float = 5.0
@@ -31,7 +32,7 @@ async def run_every(
     interval: float,
     step: Callable[[], Awaitable[Any]],
     *,
-    backoff: RetryBackoff = RetryBackoff(),
+    backoff: LoopBackoff = LoopBackoff(),
     errors: tuple[type[BaseException], ...] = (),
     on_error: Callable[[BaseException, float], None] | None = None,
     until: Callable[[], bool] | None = None,

@@ -1,6 +1,6 @@
 """Placement rules: which connected agents may run a shape's jobs, in what order, and why none can.
 
-Pure functions over ``queue.Shape`` and what agents said in their hello
+Pure functions over ``Shape`` and what agents said in their hello
 (``Candidate``: the dispatcher's sessions). The rules (docs/design.md, "GPU
 placement"):
 
@@ -28,10 +28,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Protocol
 
+from gpuq.jobs import Shape
 from gpuq.protocol import PLACEMENT_SINCE, Device
-from gpuq.queue import Shape
 
-ShapeKey = tuple[str, str]  # (kind, shape)
+ShapeKey = tuple[str, str]  # (kind, digest): Shape.key
 NONE: Mapping[str, ShapeKey] = MappingProxyType({})
 
 
@@ -77,7 +77,7 @@ def room(shape: Shape, agent: Candidate, reserved: Mapping[str, ShapeKey] = NONE
         return 0
     if shape.gpus == 0:
         return 0 if ready else agent.free
-    if reserved.get(agent.id, (shape.kind, shape.shape)) != (shape.kind, shape.shape):
+    if reserved.get(agent.id, shape.key) != shape.key:
         return 0
     devices = agent.ready_devices if ready else agent.free_devices
     return len(devices(shape.gpu_memory_mb or 0)) // shape.gpus

@@ -17,10 +17,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
-from gpuq import queue
+from gpuq import admin, queue, wakeups
 from gpuq.db import connect
-from gpuq.queue import DB, NewJob
-from gpuq.sql import queries
+from gpuq.jobs import NewJob
+from gpuq.sql import DB, queries
 
 T = TypeVar("T")
 
@@ -35,7 +35,7 @@ async def enqueue(
     delay: float = 0.0,
     run_at: datetime | None = None,
     dedup_key: str | None = None,
-    timeout: int | None = None,
+    timeout_seconds: int | None = None,
     gpus: int = 0,
     gpu_memory_mb: int | None = None,
     labels: Sequence[str] = (),
@@ -44,12 +44,16 @@ async def enqueue(
 ) -> int:
     """Enqueue one job and return its id (the live job's id if deduplicated).
 
-    Placement (all optional): ``gpus`` devices on one agent, each with at least
-    ``gpu_memory_mb``; an agent with every one of ``labels``; one holding
-    ``model`` warm if any fits; ``concurrency_key`` for global limits.
+    ``timeout_seconds``: how long one attempt may run (None: no limit, or the
+    kind's default). Placement (all optional): ``gpus`` devices on one agent,
+    each with at least ``gpu_memory_mb``; an agent with every one of
+    ``labels``; one holding ``model`` warm if any fits; ``concurrency_key``
+    for global limits. ``ValueError`` for a bad value (``NewJob.from_mapping``).
     """
-    job = NewJob(kind, payload, priority, max_attempts, delay, run_at, dedup_key, timeout, gpus, gpu_memory_mb,
-                 tuple(labels), model, concurrency_key)
+    job = NewJob.from_mapping({
+        "kind": kind, "payload": payload, "priority": priority, "max_attempts": max_attempts, "delay": delay,
+        "run_at": run_at, "dedup_key": dedup_key, "timeout_seconds": timeout_seconds, "gpus": gpus,
+        "gpu_memory_mb": gpu_memory_mb, "labels": labels, "model": model, "concurrency_key": concurrency_key})
     return (await enqueue_many(db, [job]))[0]
 
 
@@ -60,12 +64,12 @@ async def enqueue_many(db: DB | str, jobs: Sequence[NewJob]) -> list[int]:
 
 async def cancel(db: DB | str, *job_ids: int) -> dict[int, str]:
     """Cancel live jobs (pending, scheduled or running); each one cancelled -> the state it left."""
-    return await _with(db, lambda c: queue.cancel(c, *job_ids))
+    return await _with(db, lambda c: admin.cancel(c, *job_ids))
 
 
 async def show(db: DB | str, job_id: int) -> dict[str, Any] | None:
     """The whole job as a dict, or None."""
-    return await _with(db, lambda c: queue.show(c, job_id))
+    return await _with(db, lambda c: admin.show(c, job_id))
 
 
 class JobError(Exception):
@@ -118,7 +122,7 @@ async def _wait_on(conn: Any, job_id: int, timeout: float | None,
         if key in payload.split(","):
             changed.set()
 
-    channels = [queue.OUTCOMES_CHANNEL] + ([queue.PROGRESS_CHANNEL] if on_progress else [])
+    channels = [wakeups.OUTCOMES_CHANNEL] + ([wakeups.PROGRESS_CHANNEL] if on_progress else [])
     for channel in channels:
         await conn.add_listener(channel, on_notify)
     try:
@@ -136,9 +140,9 @@ async def _wait_on(conn: Any, job_id: int, timeout: float | None,
                 if row["status"] == "done":
                     return None if row["result"] is None else json.loads(row["result"])
                 if row["status"] == "dead":
-                    raise JobDead(job_id, f"job {job_id} is dead: {row['last_error']}", await queue.show(conn, job_id))
+                    raise JobDead(job_id, f"job {job_id} is dead: {row['last_error']}", await admin.show(conn, job_id))
                 if row["status"] == "cancelled":
-                    raise JobCancelled(job_id, f"job {job_id} was cancelled", await queue.show(conn, job_id))
+                    raise JobCancelled(job_id, f"job {job_id} was cancelled", await admin.show(conn, job_id))
                 await changed.wait()
     except TimeoutError:
         raise WaitTimeout(job_id, f"job {job_id} did not end within {timeout} s") from None

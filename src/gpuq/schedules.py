@@ -17,8 +17,8 @@ from typing import Any
 
 from croniter import croniter
 
-from gpuq.queue import DB, NewJob
-from gpuq.sql import queries
+from gpuq.jobs import NewJob
+from gpuq.sql import DB, queries
 
 DUE_BATCH = 100  # schedules fired per statement
 
@@ -37,7 +37,8 @@ class Schedule:
             raise ValueError(f"bad schedule name {self.name!r}: 1-128 characters")
         if not croniter.is_valid(self.cron):
             raise ValueError(f"bad cron expression {self.cron!r}: five fields, e.g. '*/5 * * * *'")
-        NewJob(self.kind, self.payload, self.priority, self.max_attempts)  # the job rules, as readable errors
+        NewJob.from_mapping({"kind": self.kind, "payload": self.payload, "priority": self.priority,
+                             "max_attempts": self.max_attempts})  # the job rules, as readable errors
 
     def next_after(self, moment: datetime) -> datetime:
         """The first tick strictly after ``moment``."""

@@ -23,11 +23,12 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from gpuq import db, logs, metrics, queue
+from gpuq import admin, db, logs, metrics
 from gpuq.config import ConfigError, ServerConfig
 from gpuq.dispatcher import AgentSession, Dispatcher, Tuning
 from gpuq.dispatcher.tuning import TUNING_DEFAULT
 from gpuq.fleet import Fleet
+from gpuq.jobs import LIVE_STATES
 from gpuq.maintenance import Maintainer
 from gpuq.migrate import pending_migrations
 from gpuq.protocol import CloseCode, Welcome, server_side
@@ -86,8 +87,8 @@ class AgentServer:
             return _response(HTTPStatus.OK, json.dumps(body).encode(), "application/json")
         if path == "/metrics":
             try:
-                counts = await queue.status_counts(self.dispatcher.pool)
-                for status in queue.LIVE_STATES:
+                counts = await admin.status_counts(self.dispatcher.pool)
+                for status in LIVE_STATES:
                     metrics.QUEUE_DEPTH.labels(status=status).set(counts.total(status))
             except db.RETRYABLE_ERRORS:
                 pass  # the rest of the metrics are still worth serving
@@ -105,7 +106,7 @@ class AgentServer:
         if not tail.isdigit() or not 0 < int(tail) < 2**63:
             return _response(HTTPStatus.BAD_REQUEST, b"expected /jobs/<job id>\n", "text/plain")
         try:
-            job = await queue.show(self.dispatcher.pool, int(tail))
+            job = await admin.show(self.dispatcher.pool, int(tail))
         except db.RETRYABLE_ERRORS as exc:
             return _response(HTTPStatus.SERVICE_UNAVAILABLE,
                              json.dumps({"error": f"database unavailable: {exc}"}).encode(), "application/json")

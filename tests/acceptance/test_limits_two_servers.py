@@ -6,7 +6,7 @@ import anyio
 import asyncpg
 import pytest
 
-from gpuq import queue
+from gpuq import admin
 from gpuq.harness import Fleet
 from gpuq.producer import NewJob, enqueue_many
 
@@ -25,8 +25,8 @@ def most_at_once(spans: list[tuple[float, float]]) -> int:
 @pytest.mark.slow
 async def test_kind_and_key_limits_are_never_exceeded_by_two_servers(dsn):
     conn = await asyncpg.connect(dsn)
-    await queue.set_limit(conn, "kind", "render", 3)
-    await queue.set_limit(conn, "key", "tenant-a", 2)
+    await admin.set_limit(conn, "kind", "render", 3)
+    await admin.set_limit(conn, "key", "tenant-a", 2)
     fleets = [Fleet(dsn), Fleet(dsn)]
     try:
         for i, fleet in enumerate(fleets):

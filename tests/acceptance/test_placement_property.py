@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from gpuq import placement
 from gpuq.harness import running_server
+from gpuq.jobs import Shape
 from gpuq.producer import enqueue
 from gpuq.protocol import Device
-from gpuq.queue import Shape
 from tests.helpers import wait_for
 
 LABELS = ["gpu=h100", "region=eu"]

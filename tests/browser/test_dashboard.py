@@ -6,6 +6,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 from gpuq.harness import running_server
+from gpuq.jobs import NewJob
 from tests.browser.conftest import screenshot
 
 READ, ADMIN = "read-secret-1", "admin-secret-1"
@@ -119,7 +120,7 @@ async def test_open_a_failed_job_see_why_and_retry_it(chrome, dsn, pool):
         return {"loss": 0.25}
 
     async with running_server(dsn, **UI) as srv:
-        [job_id] = await queue.enqueue_many(pool, [queue.NewJob("finetune", {"model": "llama-8b", "lr": 3e-4},
+        [job_id] = await queue.enqueue_many(pool, [NewJob("finetune", {"model": "llama-8b", "lr": 3e-4},
                                                                 max_attempts=1, dedup_key="ft-42")])
         await srv.agent(["finetune"], 1, flaky, "gpu-box-3")
         await browse(log_in, chrome, srv.http, ADMIN)
@@ -151,7 +152,7 @@ async def test_hostile_payloads_and_errors_show_as_text(chrome, dsn, pool):
     from gpuq import queue
 
     async with running_server(dsn, **UI) as srv:
-        ids = await queue.enqueue_many(pool, [queue.NewJob("ingest", {"text": h, h: "key"}, max_attempts=1)
+        ids = await queue.enqueue_many(pool, [NewJob("ingest", {"text": h, h: "key"}, max_attempts=1)
                                               for h in HOSTILE])
         got = await queue.lease(pool, ["ingest"], 3, "box#1", 30.0)
         for j, h in zip(sorted(got.jobs, key=lambda j: j.id), HOSTILE, strict=True):

@@ -4,8 +4,8 @@ from datetime import timedelta
 
 import pytest
 
-from gpuq import queue
-from gpuq.queue import RetryFilter
+from gpuq import admin, queue
+from gpuq.jobs import RetryFilter
 from tests.helpers import add_pending, expire_leases, job
 
 LEASE = 30.0
@@ -16,23 +16,23 @@ async def test_a_paused_kind_is_not_leased_by_either_phase(conn):
     b = await add_pending(conn, 3, kind="b")
     held = await queue.lease(conn, ["a"], 1, "x#1", LEASE)
     await expire_leases(conn, [held.jobs[0].id])  # phase 2 would reclaim it
-    assert await queue.pause(conn, "a", by="ops")
+    assert await admin.pause(conn, "a", by="ops")
     got = await queue.lease(conn, ["a", "b"], 10, "x#1", LEASE)
     assert sorted(j.id for j in got.jobs) == b and got.reclaimed == 0
-    assert not await queue.pause(conn, "a", by="ops")  # already paused
-    assert await queue.resume(conn, "a")
+    assert not await admin.pause(conn, "a", by="ops")  # already paused
+    assert await admin.resume(conn, "a")
     again = await queue.lease(conn, ["a", "b"], 10, "x#1", LEASE)
     assert sorted(j.id for j in again.jobs) == a and again.reclaimed == 1
 
 
 async def test_resume_wakes_the_dispatchers_and_a_pause_shows_in_status(live_conn, notifications):
-    assert await queue.pause(live_conn, "render", by="alice")
-    status = (await queue.status_counts(live_conn)).as_dict()
+    assert await admin.pause(live_conn, "render", by="alice")
+    status = (await admin.status_counts(live_conn)).as_dict()
     assert status["paused"]["render"]["by"] == "alice" and status["paused"]["render"]["since"]
-    assert await queue.resume(live_conn, "render")
-    assert not await queue.resume(live_conn, "render")  # not paused any more: nothing to wake
+    assert await admin.resume(live_conn, "render")
+    assert not await admin.resume(live_conn, "render")  # not paused any more: nothing to wake
     assert await notifications.drain() == ["render!"]  # its jobs may be behind a cursor
-    assert (await queue.status_counts(live_conn)).paused == {}
+    assert (await admin.status_counts(live_conn)).paused == {}
 
 
 async def dead(conn, kind: str, error: str, ended_ago: timedelta) -> int:
@@ -50,15 +50,15 @@ async def test_retry_sends_matching_dead_jobs_back_with_fresh_attempts(live_conn
     await notifications.drain()
     now = await live_conn.fetchval("SELECT now()")
     which = RetryFilter(kind="train", error="out of memory", since=now - timedelta(days=1))
-    assert await queue.retry_count(live_conn, which) == 1  # a dry run changes nothing
+    assert await admin.retry_count(live_conn, which) == 1  # a dry run changes nothing
     assert (await job(live_conn, oom))["status"] == "dead"
-    assert await queue.retry(live_conn, which) == 1
+    assert await admin.retry(live_conn, which) == 1
     row = await job(live_conn, oom)
     assert (row["status"], row["attempts"], row["finished_at"]) == ("pending", 0, None)
     assert await notifications.drain() == ["train!"]
-    assert await queue.retry(live_conn, RetryFilter(ids=[old, other, pending])) == 2  # not the pending one
+    assert await admin.retry(live_conn, RetryFilter(ids=[old, other, pending])) == 2  # not the pending one
     assert await notifications.drain() == ["render!,train!"]  # one notification, each kind once
-    assert await queue.retry(live_conn, which) == 0  # nothing left: no notification either
+    assert await admin.retry(live_conn, which) == 0  # nothing left: no notification either
     assert await notifications.drain() == []
 
 

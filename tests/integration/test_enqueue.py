@@ -7,8 +7,8 @@ import asyncpg
 import pytest
 
 import gpuq
-from gpuq import queue
-from gpuq.queue import NewJob
+from gpuq import queue, wakeups
+from gpuq.jobs import NewJob
 from tests.helpers import job
 
 
@@ -21,7 +21,7 @@ async def test_a_1000_row_insert_raises_exactly_one_notification(live_conn, noti
 
 
 async def test_a_bulk_insert_above_a_lease_floor_names_each_kind_and_priority_once(live_conn, notifications):
-    await queue.set_floors(live_conn, live_conn.get_server_pid(), {"train": 1})
+    await wakeups.set_floors(live_conn, live_conn.get_server_pid(), {"train": 1})
     await live_conn.execute("INSERT INTO gpuq.jobs (kind, priority) SELECT 'train', (g % 4)::smallint "
                             "FROM generate_series(1, 1000) g")
     assert sorted(await notifications.drain()) == ["+", "train@2", "train@3"]

@@ -2,8 +2,8 @@
 
 import pytest
 
-from gpuq import plans, queue
-from gpuq.queue import JobFilter
+from gpuq import admin, plans, queue
+from gpuq.jobs import JobFilter, NewJob, RetryFilter
 from gpuq.sql import queries
 from tests.helpers import add_pending, expire_leases, seed_history
 
@@ -17,7 +17,7 @@ async def _lease_one(conn, kind="train", agent="a#1"):
 
 
 async def test_every_attempt_that_did_not_succeed_is_kept_with_its_agent_and_error(conn):
-    [job_id] = await queue.enqueue_many(conn, [queue.NewJob("train", {"x": 1}, max_attempts=4)])
+    [job_id] = await queue.enqueue_many(conn, [NewJob("train", {"x": 1}, max_attempts=4)])
     first = await _lease_one(conn, agent="gpu-1#a")
     await queue.fail(conn, job_id, first.lease_token, "CUDA out of memory", retryable=True)
     await conn.execute("UPDATE gpuq.jobs SET status = 'pending' WHERE id = $1", job_id)  # its backoff is over
@@ -29,38 +29,38 @@ async def test_every_attempt_that_did_not_succeed_is_kept_with_its_agent_and_err
     third = await _lease_one(conn, agent="gpu-3#c")
     assert await queue.complete(conn, job_id, third.lease_token, {"ok": True})
 
-    tried = await queue.attempts(conn, job_id)
+    tried = await admin.attempts(conn, job_id)
     assert [(a["attempt"], a["agent"], a["became"], a["error"]) for a in tried] == [
         (1, "gpu-1#a", "scheduled", "CUDA out of memory"),
         (2, "gpu-2#b", "pending", None),
     ]
     assert all(a["started_at"] <= a["ended_at"] for a in tried)
-    shown = await queue.show(conn, job_id)
+    shown = await admin.show(conn, job_id)
     assert (shown["attempts"], shown["leased_by"], shown["status"]) == (3, "gpu-3#c", "done")  # the last one
     assert second.attempt == 2
 
 
 async def test_an_attempt_given_back_unstarted_or_completed_is_not_an_attempt_row(conn):
-    [job_id] = await queue.enqueue_many(conn, [queue.NewJob("train", {})])
+    [job_id] = await queue.enqueue_many(conn, [NewJob("train", {})])
     leased = await _lease_one(conn)
     await queue.release_unstarted(conn, [(job_id, leased.lease_token)])  # prefetched, never started
     leased = await _lease_one(conn)
     await queue.complete(conn, job_id, leased.lease_token, None)
-    assert await queue.attempts(conn, job_id) == []
+    assert await admin.attempts(conn, job_id) == []
 
 
 async def test_a_cancelled_running_job_and_a_dead_one_end_their_attempt(conn):
-    ids = await queue.enqueue_many(conn, [queue.NewJob("train", {}, max_attempts=1), queue.NewJob("train", {})])
+    ids = await queue.enqueue_many(conn, [NewJob("train", {}, max_attempts=1), NewJob("train", {})])
     got = await queue.lease(conn, ["train"], 2, "a#1", LEASE)
     tokens = {j.id: j.lease_token for j in got.jobs}
     await queue.fail(conn, ids[0], tokens[ids[0]], "boom", retryable=True)  # no attempts left: dead
-    await queue.cancel(conn, ids[1])
-    assert [(a["became"], a["error"]) for a in await queue.attempts(conn, ids[0])] == [("dead", "boom")]
-    assert [(a["became"], a["error"]) for a in await queue.attempts(conn, ids[1])] == [("cancelled", "cancelled")]
+    await admin.cancel(conn, ids[1])
+    assert [(a["became"], a["error"]) for a in await admin.attempts(conn, ids[0])] == [("dead", "boom")]
+    assert [(a["became"], a["error"]) for a in await admin.attempts(conn, ids[1])] == [("cancelled", "cancelled")]
 
 
 async def test_retention_deletes_a_pruned_jobs_attempts(conn):
-    [job_id] = await queue.enqueue_many(conn, [queue.NewJob("train", {}, max_attempts=1)])
+    [job_id] = await queue.enqueue_many(conn, [NewJob("train", {}, max_attempts=1)])
     leased = await _lease_one(conn)
     await queue.fail(conn, job_id, leased.lease_token, "boom")
     await conn.execute("UPDATE gpuq.jobs SET finished_at = now() - interval '2 days', "
@@ -75,7 +75,7 @@ async def test_retention_deletes_a_pruned_jobs_attempts(conn):
 
 async def _mixed(conn):
     """done, dead, cancelled, scheduled, leased and pending jobs of two kinds; returns ids by state."""
-    ids = await queue.enqueue_many(conn, [queue.NewJob("train" if i % 2 else "eval", {"i": i}, max_attempts=1,
+    ids = await queue.enqueue_many(conn, [NewJob("train" if i % 2 else "eval", {"i": i}, max_attempts=1,
                                                        concurrency_key="k1" if i % 3 == 0 else None)
                                           for i in range(12)])
     got = await queue.lease(conn, ["train", "eval"], 6, "a#1", LEASE)
@@ -84,13 +84,13 @@ async def _mixed(conn):
     await queue.complete(conn, leased[0], tokens[leased[0]], None)
     await queue.fail(conn, leased[1], tokens[leased[1]], "CUDA out of memory")
     await queue.fail(conn, leased[2], tokens[leased[2]], "segfault")
-    await queue.cancel(conn, leased[3])
+    await admin.cancel(conn, leased[3])
     return {"done": [leased[0]], "dead": [leased[2], leased[1]], "cancelled": [leased[3]],
             "leased": [leased[5], leased[4]], "pending": sorted(set(ids) - set(leased), reverse=True)}
 
 
 async def _ids(conn, **filters):
-    return [j["id"] for j in (await queue.list_jobs(conn, JobFilter(**filters))).jobs]
+    return [j["id"] for j in (await admin.list_jobs(conn, JobFilter(**filters))).jobs]
 
 
 async def test_each_state_lists_its_jobs_newest_first(conn):
@@ -108,9 +108,9 @@ async def test_filters_by_kind_key_and_error_text(conn):
     assert await _ids(conn, state="dead", error="segfault") == [by_state["dead"][0]]
     for state, kind, key in ((None, "eval", "k1"), ("pending", "eval", "k1"), ("failed", "train", None),
                              ("failed", "eval", None)):
-        listed = (await queue.list_jobs(conn, JobFilter(state=state, kind=kind, key=key))).jobs
+        listed = (await admin.list_jobs(conn, JobFilter(state=state, kind=kind, key=key))).jobs
         assert listed and all(j["kind"] == kind and key in (None, j["concurrency_key"]) for j in listed)
-        everything = (await queue.list_jobs(conn, JobFilter(state=state))).jobs
+        everything = (await admin.list_jobs(conn, JobFilter(state=state))).jobs
         assert len(listed) < len(everything)
     with pytest.raises(ValueError, match="state must be one of"):
         JobFilter(state="running")
@@ -121,7 +121,7 @@ async def test_keyset_pages_cover_every_job_once(conn):
     pending = await add_pending(conn, 30)
     seen, before = [], None
     while True:
-        page = await queue.list_jobs(conn, JobFilter(), before=before, limit=50)
+        page = await admin.list_jobs(conn, JobFilter(), before=before, limit=50)
         seen += [j["id"] for j in page.jobs]
         if page.older is None:
             break
@@ -130,23 +130,23 @@ async def test_keyset_pages_cover_every_job_once(conn):
 
 
 async def test_a_filter_that_matches_nothing_walks_one_window_per_page(conn, monkeypatch):
-    monkeypatch.setattr(queue, "LIST_WINDOW", 100)
+    monkeypatch.setattr(admin, "LIST_WINDOW", 100)
     await seed_history(conn, 250)
-    page = await queue.list_jobs(conn, JobFilter(kind="nothing-like-this"))
+    page = await admin.list_jobs(conn, JobFilter(kind="nothing-like-this"))
     assert (page.jobs, page.older, page.searched_to) == ([], 151, 151)  # ids 151..250 looked at
-    page = await queue.list_jobs(conn, JobFilter(kind="nothing-like-this"), before=151)
+    page = await admin.list_jobs(conn, JobFilter(kind="nothing-like-this"), before=151)
     assert (page.older, page.searched_to) == (51, 51)
-    page = await queue.list_jobs(conn, JobFilter(kind="nothing-like-this"), before=51)
+    page = await admin.list_jobs(conn, JobFilter(kind="nothing-like-this"), before=51)
     assert (page.older, page.searched_to) == (None, None)  # reached the first id
 
 
 async def test_retry_by_state_and_key(conn):
     by_state = await _mixed(conn)
-    assert await queue.retry_count(conn, queue.RetryFilter(state="cancelled")) == 1
-    assert await queue.retry_count(conn, queue.RetryFilter(state="dead")) == 2
+    assert await admin.retry_count(conn, RetryFilter(state="cancelled")) == 1
+    assert await admin.retry_count(conn, RetryFilter(state="dead")) == 2
     with pytest.raises(ValueError, match="dead or cancelled"):
-        queue.RetryFilter(state="done").args()
-    assert await queue.retry(conn, queue.RetryFilter(state="dead", error="segfault")) == 1
+        RetryFilter(state="done").args()
+    assert await admin.retry(conn, RetryFilter(state="dead", error="segfault")) == 1
     assert await _ids(conn, state="dead") == [by_state["dead"][1]]
 
 
@@ -165,7 +165,7 @@ async def _live_slice(conn):
                        [j.id for j in jobs[10:15]])
     for j in jobs[10:15]:
         await queue.fail(conn, j.id, j.lease_token, "segfault")  # dead
-    await queue.cancel(conn, *[j.id for j in jobs[15:17]])
+    await admin.cancel(conn, *[j.id for j in jobs[15:17]])
     await conn.execute("INSERT INTO gpuq.jobs (kind, concurrency_key, status, finished_at) "
                        "SELECT 'train', 'k9', s::gpuq.job_status, CASE WHEN s = 'done' THEN now() END "
                        "FROM unnest(ARRAY['done', 'pending', 'done']) s")
@@ -182,12 +182,12 @@ def _pages(top: int, dead_id: int) -> dict[str, list[tuple[str, tuple]]]:
         "list: error text": JobFilter(state="failed", error="segfault"), "list: key": JobFilter(key="k9"),
         "list: done of a key": JobFilter(state="done", key="k9"),
     }.items():
-        indexed = queue._indexed(which)
+        indexed = admin._indexed(which)
         pages[label] = [*([] if indexed else [("max_job_id", ())]),
-                        queue.list_statement(which, None if indexed else top, 50)]
+                        admin.list_statement(which, None if indexed else top, 50)]
     pages["list: dead"].append(("last_agents", ([dead_id],)))  # a failed job's agent, from its attempts
     pages["job page"] = [("show", (dead_id,)), ("job_attempts", (dead_id,))]
-    pages["retry preview"] = [("retry_count", queue.RetryFilter(kind="eval", state="dead").args())]
+    pages["retry preview"] = [("retry_count", RetryFilter(kind="eval", state="dead").args())]
     pages["overview"] = [("status_counts", ()), ("table_estimate", ()), ("paused_kinds", ()), ("placed_pending", ())]
     return pages
 
@@ -234,13 +234,13 @@ async def _window_walk_buffers(conn) -> int:
     """A page whose filter matches nothing: it walks one window of ids, then stops."""
     await conn.execute("ANALYZE gpuq.jobs")
     top = await conn.fetchval("SELECT max(id) + 1 FROM gpuq.jobs")
-    name, args = queue.list_statement(JobFilter(kind="nobody-runs-this"), top, 50)
+    name, args = admin.list_statement(JobFilter(kind="nobody-runs-this"), top, 50)
     await plans.explain(conn, queries[name], *args)
     return plans.plan_buffers(await plans.explain(conn, queries[name], *args))
 
 
 async def test_a_filter_that_matches_nothing_reads_one_window_however_long_the_history(conn):
-    await seed_history(conn, 2 * queue.LIST_WINDOW)
+    await seed_history(conn, 2 * admin.LIST_WINDOW)
     short = await _window_walk_buffers(conn)
     await seed_history(conn, 500_000)
     long = await _window_walk_buffers(conn)

@@ -5,8 +5,9 @@ import json
 import anyio
 import pytest
 
-from gpuq import queue
+from gpuq import admin, queue
 from gpuq.harness import http_get, next_of, raw_agent, running_server
+from gpuq.jobs import Shape
 from gpuq.producer import enqueue
 from tests.helpers import wait_for
 
@@ -21,7 +22,7 @@ def blocking(running: list, release: anyio.Event):
 async def test_a_kind_limit_holds_plain_and_gpu_jobs_and_lifting_it_wakes_the_rest(dsn, live_conn):
     running: list = []
     release = anyio.Event()
-    await queue.set_limit(live_conn, "kind", "train", 2)
+    await admin.set_limit(live_conn, "kind", "train", 2)
     async with running_server(dsn, poll_seconds=60) as srv:
         await srv.agent(["train"], 5, blocking(running, release), "box")
         ids = [await enqueue(live_conn, "train") for _ in range(6)]
@@ -34,7 +35,7 @@ async def test_a_kind_limit_holds_plain_and_gpu_jobs_and_lifting_it_wakes_the_re
         assert len(running) == 2
         [limit] = json.loads((await http_get(f"{srv.http}/status"))[2])["limits"]
         assert limit == {"scope": "kind", "name": "train", "max_running": 2, "running": 2}
-        await queue.set_limit(live_conn, "kind", "train", None)  # its NOTIFY wakes the dispatcher
+        await admin.set_limit(live_conn, "kind", "train", None)  # its NOTIFY wakes the dispatcher
 
         async def five() -> bool:
             return len(running) == 5
@@ -52,7 +53,7 @@ async def test_a_kind_limit_holds_plain_and_gpu_jobs_and_lifting_it_wakes_the_re
 async def test_a_key_limit_holds_only_that_key_and_a_finished_job_makes_room(dsn, live_conn):
     running: list = []
     release = anyio.Event()
-    await queue.set_limit(live_conn, "key", "tenant-a", 1)
+    await admin.set_limit(live_conn, "key", "tenant-a", 1)
     async with running_server(dsn, poll_seconds=60) as srv:
         await srv.agent(["train"], 6, blocking(running, release), "box")
         a = [await enqueue(live_conn, "train", concurrency_key="tenant-a") for _ in range(3)]
@@ -75,7 +76,7 @@ async def test_a_key_limit_holds_only_that_key_and_a_finished_job_makes_room(dsn
 
 
 async def test_an_old_agent_still_gets_a_limited_kinds_plain_jobs(dsn, live_conn):
-    await queue.set_limit(live_conn, "kind", "embed", 1)
+    await admin.set_limit(live_conn, "kind", "embed", 1)
     async with running_server(dsn, poll_seconds=60) as srv:
         old, _ = await raw_agent(srv, kinds=("embed",), capacity=3)  # protocol 1
         await enqueue(live_conn, "embed")
@@ -91,7 +92,7 @@ async def test_an_old_agent_still_gets_a_limited_kinds_plain_jobs(dsn, live_conn
                                           ("tenant", "x", 1)])
 async def test_a_bad_limit_is_refused(conn, scope, name, n):
     with pytest.raises(ValueError):
-        await queue.set_limit(conn, scope, name, n)
+        await admin.set_limit(conn, scope, name, n)
 
 
 async def test_limited_leases_wait_for_each_other_and_count_what_the_last_one_leased(dsn, live_conn, pool):
@@ -99,10 +100,10 @@ async def test_limited_leases_wait_for_each_other_and_count_what_the_last_one_le
     sees its leases; without the lock it would not see them and lease past the limit."""
     from gpuq.sql import queries
 
-    await queue.set_limit(live_conn, "kind", "render", 2)
+    await admin.set_limit(live_conn, "kind", "render", 2)
     for _ in range(4):
         await enqueue(live_conn, "render")
-    plain = queue.Shape.of_plain("render")
+    plain = Shape.of_plain("render")
     first = await pool.acquire()
     try:
         tx = first.transaction()

@@ -2,8 +2,8 @@
 
 from datetime import timedelta
 
-from gpuq import plans, queue
-from gpuq.queue import Backoff
+from gpuq import admin, plans, queue
+from gpuq.jobs import JobBackoff
 from gpuq.sql import queries
 from tests.helpers import add_pending, job
 
@@ -50,7 +50,7 @@ async def test_fail_with_stale_token_changes_nothing(conn):
 async def test_retryable_failure_backs_off_into_scheduled(conn):
     j = await _lease_one(conn)
     now = await conn.fetchval("SELECT now()")
-    out = await queue.fail(conn, j.id, j.lease_token, "CUDA OOM", True, Backoff(10, 300, 0.5))
+    out = await queue.fail(conn, j.id, j.lease_token, "CUDA OOM", True, JobBackoff(10, 300, 0.5))
     assert out is not None and out.status == "scheduled"
     row = await job(conn, j.id)
     assert row["status"] == "scheduled" and row["last_error"] == "CUDA OOM"
@@ -68,7 +68,7 @@ async def test_backoff_grows_exponentially_and_is_capped(conn):
         [j] = (await queue.lease(conn, [f"k{attempt}"], 1, "a#1", LEASE)).jobs
         assert j.attempt == attempt
         now = await conn.fetchval("SELECT now()")
-        out = await queue.fail(conn, j.id, j.lease_token, "x", True, Backoff(1, 5, 0.0))
+        out = await queue.fail(conn, j.id, j.lease_token, "x", True, JobBackoff(1, 5, 0.0))
         delays.append(round((out.run_at - now).total_seconds()))
     assert delays == [1, 2, 4, 5]
 
@@ -133,12 +133,12 @@ async def test_a_job_that_never_started_goes_back_without_its_attempt_even_on_it
 
 async def test_cancel_live_job_fences_out_the_running_agent(conn):
     j = await _lease_one(conn)
-    assert await queue.cancel(conn, j.id) == {j.id: "leased"}
+    assert await admin.cancel(conn, j.id) == {j.id: "leased"}
     assert not await queue.complete(conn, j.id, j.lease_token, {"late": 1})
     assert not await queue.fail(conn, j.id, j.lease_token, "late", retryable=True)  # never retried
     row = await job(conn, j.id)
     assert row["status"] == "cancelled" and row["last_error"] == "cancelled"
-    assert await queue.cancel(conn, j.id) == {}  # already finished
+    assert await admin.cancel(conn, j.id) == {}  # already finished
 
 
 async def test_cancel_takes_pending_and_scheduled_jobs_and_skips_finished_ones(conn):
@@ -199,7 +199,7 @@ async def test_outcomes_and_heartbeats_cost_o_batch_however_many_jobs_are_leased
         jobs += (await queue.lease_slots(conn, ["train"], ["a#1"] * 256, LEASE)).jobs
     ten = jobs[:10]
     ids, tokens = [j.id for j in ten], [j.lease_token for j in ten]
-    b = Backoff()
+    b = JobBackoff()
     for statement, args in ((queries["complete_many"], (ids, tokens, [None] * 10)),
                             (queries["fail_many"], (ids, tokens, ["x"] * 10, [True] * 10, b.base_seconds,
                                                 b.cap_seconds, b.jitter)),

@@ -16,7 +16,7 @@ import pytest
 
 from gpuq import db, plans, queue
 from gpuq.harness import http_json, running_server
-from gpuq.queue import NewJob
+from gpuq.jobs import NewJob
 from tests.helpers import add_pending, seed_history, sets, wait_count
 
 POOLED = {"GPUQ_POOLER": "transaction"}

@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpuq import plans, queue
 from gpuq.agent import run_process
 from gpuq.harness import http_get, next_of, raw_agent, running_server
+from gpuq.jobs import NewJob
 from gpuq.producer import enqueue
 from gpuq.protocol import PROTOCOL_VERSION, Device
 from gpuq.sql import queries
@@ -89,7 +90,7 @@ A10 = [Device(0, "a10", 24576)]
 ])
 def test_a_bad_requirement_is_a_clear_error_before_the_insert(values):
     with pytest.raises(ValueError):
-        queue.NewJob("train", **values)
+        NewJob("train", **values)
 
 
 @pytest.mark.parametrize(("columns", "rule"), [
@@ -115,13 +116,13 @@ async def test_an_update_cannot_make_a_requirement_bad_or_forge_a_shape(conn):
 async def test_the_shape_follows_the_requirements_through_sql_updates(conn):
     job_id = await conn.fetchval("INSERT INTO gpuq.jobs (kind, gpus, labels) VALUES ('train', 2, '{b,a}') "
                                  "RETURNING id")
-    [shape] = await queue.shapes(conn)
+    [shape] = await queue.read_shapes(conn)
     assert (shape.gpus, shape.labels) == (2, frozenset({"a", "b"}))
-    assert await conn.fetchval("SELECT shape FROM gpuq.jobs WHERE id = $1", job_id) == shape.shape
+    assert await conn.fetchval("SELECT shape FROM gpuq.jobs WHERE id = $1", job_id) == shape.digest
     # The same needs in another order are the same shape; none left is a plain job.
     other = await conn.fetchval("INSERT INTO gpuq.jobs (kind, gpus, labels) VALUES ('train', 2, '{a,b}') "
                                 "RETURNING shape")
-    assert other == shape.shape
+    assert other == shape.digest
     await conn.execute("UPDATE gpuq.jobs SET gpus = 0, labels = '{}' WHERE id = $1", job_id)
     assert await conn.fetchval("SELECT shape FROM gpuq.jobs WHERE id = $1", job_id) is None
 
@@ -342,9 +343,9 @@ async def _add_jobs(conn, n: int, gpus: int = 0, labels: tuple[str, ...] = (), p
 async def _lease_buffers(conn) -> dict[str, int]:
     """Buffers a 32-job lease reads of 1-GPU jobs (lease_placed) and of plain ones (lease_slots)."""
     await conn.execute("ANALYZE gpuq.jobs")
-    [one_gpu] = [s for s in await queue.shapes(conn) if s.gpus == 1 and not s.labels]
+    [one_gpu] = [s for s in await queue.read_shapes(conn) if s.gpus == 1 and not s.labels]
     slots = ["explain"] * 32
-    statements = {"placed": (queries["lease_placed"], one_gpu.kind, one_gpu.shape, slots, 30.0),
+    statements = {"placed": (queries["lease_placed"], one_gpu.kind, one_gpu.digest, slots, 30.0),
                   "plain": (queries["lease_slots"], *plans.lease_args(["train"], slots, 30.0))}
     out = {}
     for name, (statement, *args) in statements.items():

@@ -4,7 +4,7 @@ import json
 
 import anyio
 
-from gpuq import queue
+from gpuq import admin
 from gpuq.harness import http_get, next_of, raw_agent, running_server
 from tests.helpers import wait_count, wait_for
 
@@ -64,7 +64,7 @@ async def test_a_cancelled_prefetched_job_never_starts(dsn, pool):
         first, second = await _jobs(pool, 2)
         await srv.agent(["embed"], 1, _blocking(ran, release), "a", prefetch=1)
         await wait_for(lambda: _holds(srv, 2))
-        assert await queue.cancel(pool, second) == {second: "leased"}
+        assert await admin.cancel(pool, second) == {second: "leased"}
         await wait_for(lambda: _holds(srv, 1))  # the agent reported it, without running it
         release.set()
         await wait_count(pool, "done", 1)
@@ -92,7 +92,7 @@ async def test_after_a_running_job_is_cancelled_its_slot_runs_the_ready_one_with
             "RETURNING id")]
         await srv.agent(["embed"], 1, hang, "a", prefetch=1)
         await wait_for(lambda: _holds(srv, 2))
-        await queue.cancel(pool, cancelled)
+        await admin.cancel(pool, cancelled)
         await wait_count(pool, "dead", 1)  # the next job ran in the same slot and hit its own timeout
     assert ran == [cancelled, timed]
     rows = await pool.fetch("SELECT status::text, last_error FROM gpuq.jobs ORDER BY id")

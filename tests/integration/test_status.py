@@ -2,7 +2,8 @@
 
 import json
 
-from gpuq import plans, queue
+from gpuq import admin, plans, queue
+from gpuq.jobs import LIVE_STATES
 from gpuq.sql import queries
 from tests.helpers import add_pending, seed_history
 
@@ -15,11 +16,11 @@ async def test_status_counts_match_the_truth(conn):
     await queue.lease(conn, ["train"], 2, "a#1", 30)
     await conn.execute("INSERT INTO gpuq.jobs (kind, status, run_at) VALUES ('train', 'scheduled', now() + interval '1h')")
     await conn.execute("ANALYZE gpuq.jobs")
-    counts = await queue.status_counts(conn)
+    counts = await admin.status_counts(conn)
     truth = {}
     for r in await conn.fetch("SELECT status::text, kind, count(*) AS n FROM gpuq.jobs GROUP BY 1, 2"):
         truth.setdefault(r["status"], {})[r["kind"]] = r["n"]
-    for status in queue.LIVE_STATES:
+    for status in LIVE_STATES:
         assert counts.live[status] == truth[status]
     assert counts.as_dict()["totals"] == {"pending": 8, "leased": 2, "scheduled": 1}
     assert counts.oldest_pending_seconds is not None and counts.oldest_pending_seconds >= 0

@@ -8,11 +8,11 @@ import anyio
 import pytest
 
 import gpuq
-from gpuq import plans, queue
+from gpuq import admin, plans, queue, wakeups
 from gpuq.harness import running_server
+from gpuq.jobs import NewJob
 from gpuq.maintenance.deadlines import ExpireDeadlines
 from gpuq.protocol import job_message, jobs_frame, parse_server
-from gpuq.queue import NewJob
 from gpuq.sql import queries
 from tests.helpers import async_until_cancelled, job, sync_until_cancelled, wait_status
 
@@ -26,7 +26,7 @@ def test_a_timeout_must_be_a_positive_number_of_seconds():
 
 
 async def test_the_lease_sets_the_deadline_and_pushes_the_timeout(live_conn):
-    job_id = await gpuq.enqueue(live_conn, "train", {}, timeout=90)
+    job_id = await gpuq.enqueue(live_conn, "train", {}, timeout_seconds=90)
     [leased] = (await queue.lease(live_conn, ["train"], 1, "a#1", LEASE)).jobs
     assert leased.timeout_seconds == 90
     row = await job(live_conn, job_id)
@@ -40,7 +40,7 @@ async def test_an_async_handler_past_its_timeout_is_stopped_and_the_attempt_fail
     async with running_server(dsn, poll_seconds=60) as srv:
         await srv.agent(["train"], 1, async_until_cancelled(stopped))
         t0 = time.monotonic()
-        job_id = await gpuq.enqueue(pool, "train", {}, timeout=1)
+        job_id = await gpuq.enqueue(pool, "train", {}, timeout_seconds=1)
         with anyio.fail_after(10):
             await stopped.wait()
         assert 0.9 < time.monotonic() - t0 < 5
@@ -53,7 +53,7 @@ async def test_a_sync_handler_sees_job_cancelled_at_its_timeout(dsn, pool):
     seen = []
     async with running_server(dsn, poll_seconds=60) as srv:
         await srv.agent(["train"], 1, sync_until_cancelled(seen, "partial"))
-        job_id = await gpuq.enqueue(pool, "train", {}, max_attempts=1, timeout=1)
+        job_id = await gpuq.enqueue(pool, "train", {}, max_attempts=1, timeout_seconds=1)
         await wait_status(pool, job_id, "dead")
         assert seen == [True] and (await job(pool, job_id))["last_error"] == "timeout"
 
@@ -62,9 +62,9 @@ async def test_the_server_fails_an_attempt_past_deadline_and_grace_while_it_is_h
     from tests.conftest import Notifications
 
     heard = Notifications()
-    await live_conn.add_listener(queue.NOTIFY_CHANNEL, heard._on_notify)
-    retry = await gpuq.enqueue(live_conn, "train", {}, timeout=5)
-    last = await gpuq.enqueue(live_conn, "train", {}, timeout=5, max_attempts=1)
+    await live_conn.add_listener(wakeups.NOTIFY_CHANNEL, heard._on_notify)
+    retry = await gpuq.enqueue(live_conn, "train", {}, timeout_seconds=5)
+    last = await gpuq.enqueue(live_conn, "train", {}, timeout_seconds=5, max_attempts=1)
     held = (await queue.lease(live_conn, ["train"], 2, "a#1", LEASE)).jobs
     await live_conn.execute("UPDATE gpuq.jobs SET deadline_at = now() - interval '40 seconds'")
     assert await queue.heartbeat(live_conn, [j.id for j in held], "a#1", LEASE) == {retry, last}  # alive...
@@ -78,15 +78,15 @@ async def test_the_server_fails_an_attempt_past_deadline_and_grace_while_it_is_h
 
 
 async def test_a_kind_default_applies_to_jobs_without_their_own(live_conn):
-    await queue.set_kind_timeout(live_conn, "render", 120)
-    own = await gpuq.enqueue(live_conn, "render", {}, timeout=30)
+    await admin.set_kind_timeout(live_conn, "render", 120)
+    own = await gpuq.enqueue(live_conn, "render", {}, timeout_seconds=30)
     default = await gpuq.enqueue(live_conn, "render", {})
     other = await gpuq.enqueue(live_conn, "train", {})
     got = {j.id: j.timeout_seconds for j in (await queue.lease(live_conn, ["render", "train"], 3, "a#1", LEASE)).jobs}
     assert got == {own: 30, default: 120, other: None}
     assert (await job(live_conn, other))["deadline_at"] is None
-    assert await queue.kind_timeouts(live_conn) == {"render": 120}
-    await queue.set_kind_timeout(live_conn, "render", None)
-    assert await queue.kind_timeouts(live_conn) == {}
+    assert await admin.kind_timeouts(live_conn) == {"render": 120}
+    await admin.set_kind_timeout(live_conn, "render", None)
+    assert await admin.kind_timeouts(live_conn) == {}
     with pytest.raises(ValueError, match="at least 1 second"):
-        await queue.set_kind_timeout(live_conn, "render", 0)
+        await admin.set_kind_timeout(live_conn, "render", 0)

@@ -13,6 +13,7 @@ from websockets.exceptions import InvalidStatus
 
 from gpuq.config import ConfigError, ServerConfig
 from gpuq.harness import TOKEN, running_server
+from gpuq.jobs import NewJob
 
 READ, ADMIN = "read-secret-1", "admin-secret-1"
 UI = {"ui_tokens": frozenset({READ}), "ui_admin_tokens": frozenset({ADMIN})}
@@ -139,7 +140,7 @@ async def test_the_server_stops_while_a_page_is_open_on_an_unchanging_view(dsn):
 
 
 async def test_only_an_admin_pauses_and_resumes_a_kind_with_the_clis_functions(dsn, pool):
-    from gpuq import queue
+    from gpuq import admin as admin_api
 
     async with running_server(dsn, **UI) as srv:
         for token, expected in ((READ, 403), (ADMIN, 204)):
@@ -149,12 +150,12 @@ async def test_only_an_admin_pauses_and_resumes_a_kind_with_the_clis_functions(d
             headers = {**session, **origin(srv.port), "X-CSRF-Token": csrf}
             status, _, _ = await request(srv.port, "POST", "/ui/kinds/pause?kind=batch", headers)
             assert status == expected
-        assert set(await queue.paused(pool)) == {"batch"}
-        assert (await queue.paused(pool))["batch"]["by"] == "dashboard"
+        assert set(await admin_api.paused(pool)) == {"batch"}
+        assert (await admin_api.paused(pool))["batch"]["by"] == "dashboard"
         status, _, body = await request(srv.port, "POST", "/ui/kinds/pause?kind=bad%20kind", headers)
         assert status == 400 and "bad job kind" in body
         status, _, _ = await request(srv.port, "POST", "/ui/kinds/resume?kind=batch", headers)
-        assert status == 204 and await queue.paused(pool) == {}
+        assert status == 204 and await admin_api.paused(pool) == {}
 
 
 async def _admin_headers(port: int, token: str = ADMIN) -> dict[str, str]:
@@ -167,7 +168,7 @@ async def _admin_headers(port: int, token: str = ADMIN) -> dict[str, str]:
 async def _dead_jobs(pool, errors: list[str], kind: str = "train") -> list[int]:
     from gpuq import queue
 
-    ids = await queue.enqueue_many(pool, [queue.NewJob(kind, {"i": i}, max_attempts=1) for i in range(len(errors))])
+    ids = await queue.enqueue_many(pool, [NewJob(kind, {"i": i}, max_attempts=1) for i in range(len(errors))])
     got = await queue.lease(pool, [kind], len(ids), "box-9#1", 30.0)
     for j, error in zip(sorted(got.jobs, key=lambda j: j.id), errors, strict=True):
         await queue.fail(pool, j.id, j.lease_token, error)
@@ -199,7 +200,7 @@ async def test_a_job_page_shows_payload_error_attempts_and_keys(dsn, pool):
     from gpuq import queue
 
     async with running_server(dsn, **UI) as srv:
-        [job_id] = await queue.enqueue_many(pool, [queue.NewJob(
+        [job_id] = await queue.enqueue_many(pool, [NewJob(
             "train", {"prompt": "</pre><script>alert(1)</script>"}, max_attempts=2, dedup_key="nightly-7")])
         for error in ("CUDA out of memory", "segfault"):
             [j] = (await queue.lease(pool, ["train"], 1, "box-1#a", 30.0)).jobs
@@ -220,7 +221,7 @@ async def test_a_job_page_shows_payload_error_attempts_and_keys(dsn, pool):
 
 
 async def test_an_admin_retries_by_filter_after_seeing_the_count_and_cancels_a_job(dsn, pool):
-    from gpuq import queue
+    from gpuq import admin as admin_api
     from tests.helpers import status_of
 
     async with running_server(dsn, **UI) as srv:
@@ -242,7 +243,7 @@ async def test_an_admin_retries_by_filter_after_seeing_the_count_and_cancels_a_j
         assert (await request(srv.port, "POST", f"/ui/jobs/cancel?id={dead[0]}", admin))[0] == 204
         assert await status_of(pool, dead[0]) == "cancelled"
         assert (await request(srv.port, "POST", f"/ui/jobs/cancel?id={dead[0]}", admin))[0] == 409
-        assert (await queue.show(pool, dead[0]))["last_error"] == "cancelled"
+        assert (await admin_api.show(pool, dead[0]))["last_error"] == "cancelled"
 
 
 async def test_the_job_pages_live_socket_pushes_its_state(dsn, pool):
@@ -286,17 +287,17 @@ async def _quick(job):
 
 
 async def test_many_open_pages_share_one_overview_read_a_second(dsn, monkeypatch):
-    from gpuq import queue
+    from gpuq import admin as admin_api
     from gpuq.ui import views
 
     reads = []
-    counted = queue.status_counts
+    counted = admin_api.status_counts
 
     async def status_counts(db):
         reads.append(1)
         return await counted(db)
 
-    monkeypatch.setattr(views.queue, "status_counts", status_counts)  # counts the real reads
+    monkeypatch.setattr(views.admin, "status_counts", status_counts)  # counts the real reads
     async with running_server(dsn, **UI) as srv:
         cookie = await login(srv.port, READ)
         sockets = [await connect(f"ws://127.0.0.1:{srv.port}/ui/live?page=overview", origin=origin(srv.port)["Origin"],
@@ -332,12 +333,13 @@ async def test_the_agents_page_links_the_job_each_gpu_runs(dsn, pool):
 
 
 async def test_the_controls_page_shows_what_the_cli_set_and_an_admin_removes_a_schedule(dsn, pool):
-    from gpuq import queue, schedules
+    from gpuq import admin as admin_api
+    from gpuq import schedules
 
     async with running_server(dsn, **UI) as srv:
-        await queue.pause(pool, "render", by="alice")
-        await queue.set_limit(pool, "kind", "train", 4)
-        await queue.set_kind_timeout(pool, "train", 3600)
+        await admin_api.pause(pool, "render", by="alice")
+        await admin_api.set_limit(pool, "kind", "train", 4)
+        await admin_api.set_kind_timeout(pool, "train", 3600)
         await schedules.add(pool, schedules.Schedule("nightly-<b>eval</b>", "0 3 * * *", "eval"), by="bob")
         read_only, admin = await _admin_headers(srv.port, READ), await _admin_headers(srv.port)
         status, _, body = await request(srv.port, "GET", "/ui/controls", read_only)
@@ -356,23 +358,24 @@ async def test_the_controls_page_shows_what_the_cli_set_and_an_admin_removes_a_s
         async with connect(f"ws://127.0.0.1:{srv.port}/ui/live?page=controls", origin=origin(srv.port)["Origin"],
                            additional_headers={"Cookie": admin["Cookie"]}) as ws:
             assert 'data-kind="render"' in await ws.recv()
-            await queue.resume(pool, "render")
+            await admin_api.resume(pool, "render")
             with anyio.fail_after(5):
                 assert "none (gpuq pause KIND)" in await ws.recv()
 
 
 async def test_an_admin_sets_limits_timeouts_and_schedules_with_the_clis_rules(dsn, pool):
-    from gpuq import queue, schedules
+    from gpuq import admin as admin_api
+    from gpuq import schedules
 
     async with running_server(dsn, **UI) as srv:
         read_only, admin = await _admin_headers(srv.port, READ), await _admin_headers(srv.port)
         assert (await request(srv.port, "POST", "/ui/limits/set?scope=kind&name=train&max=2", read_only))[0] == 403
         status, _, body = await request(srv.port, "POST", "/ui/limits/set?scope=kind&name=train&max=2", admin)
         assert (status, body) == (200, "kind train: at most 2 at once")
-        assert [(lim["scope"], lim["name"], lim["max_running"]) for lim in await queue.limits(pool)] == [
+        assert [(lim["scope"], lim["name"], lim["max_running"]) for lim in await admin_api.limits(pool)] == [
             ("kind", "train", 2)]
         status, _, body = await request(srv.port, "POST", "/ui/limits/set?scope=kind&name=train&max=", admin)
-        assert body == "kind train: no limit" and await queue.limits(pool) == []
+        assert body == "kind train: no limit" and await admin_api.limits(pool) == []
         for bad, says in (("/ui/limits/set?scope=team&name=x&max=1", "per kind or per key"),
                           ("/ui/limits/set?scope=kind&name=train&max=two", "whole number"),
                           ("/ui/timeouts/set?kind=train&seconds=0", "at least 1 second"),
@@ -381,7 +384,7 @@ async def test_an_admin_sets_limits_timeouts_and_schedules_with_the_clis_rules(d
             status, _, body = await request(srv.port, "POST", bad, admin)
             assert status == 400 and says in body, (bad, body)
         status, _, body = await request(srv.port, "POST", "/ui/timeouts/set?kind=train&seconds=600", admin)
-        assert body == "train: 600 s" and await queue.kind_timeouts(pool) == {"train": 600}
+        assert body == "train: 600 s" and await admin_api.kind_timeouts(pool) == {"train": 600}
         add = "/ui/schedules/add?name=nightly&cron=0+3+*+*+*&kind=eval&payload=%7B%22split%22%3A+%22val%22%7D"
         status, _, body = await request(srv.port, "POST", add + "&priority=5", admin)
         assert status == 200 and body.startswith("nightly: first run at ") and body.endswith("03:00:00 UTC")

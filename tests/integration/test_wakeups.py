@@ -11,7 +11,7 @@ import random
 import anyio
 import asyncpg
 
-from gpuq import db, metrics, queue
+from gpuq import db, metrics, wakeups
 from gpuq.dispatcher import Tuning
 from gpuq.harness import running_server
 from tests.conftest import Notifications
@@ -28,7 +28,7 @@ async def listening(dsn: str) -> tuple[asyncpg.Connection, Notifications]:
     """A LISTEN connection that has not armed the mark: it sees what producers send on their own."""
     n = Notifications()
     c = await db.connect(dsn)
-    await c.add_listener(queue.NOTIFY_CHANNEL, n._on_notify)
+    await c.add_listener(wakeups.NOTIFY_CHANNEL, n._on_notify)
     return c, n
 
 
@@ -37,7 +37,7 @@ async def test_inserts_do_not_notify_while_no_dispatcher_waits(dsn, live_conn):
     try:
         await live_conn.execute("INSERT INTO gpuq.jobs (kind) VALUES ('train')")
         assert await got.drain() == []
-        await queue.arm_wakeups(live_conn, 60_000)
+        await wakeups.arm_wakeups(live_conn, 60_000)
         await live_conn.execute("INSERT INTO gpuq.jobs (kind) VALUES ('train')")
         assert await got.drain() == ["+"]
         await live_conn.execute("INSERT INTO gpuq.jobs (kind, status, run_at) "
@@ -50,8 +50,8 @@ async def test_inserts_do_not_notify_while_no_dispatcher_waits(dsn, live_conn):
 async def test_the_mark_lapses_and_never_moves_back(dsn, live_conn):
     c, got = await listening(dsn)
     try:
-        first = await queue.arm_wakeups(live_conn, 300)
-        second = await queue.arm_wakeups(live_conn, 1)  # a shorter arm keeps the later mark
+        first = await wakeups.arm_wakeups(live_conn, 300)
+        second = await wakeups.arm_wakeups(live_conn, 1)  # a shorter arm keeps the later mark
         assert second.until == first.until and second.previous == first.until
         await live_conn.execute("INSERT INTO gpuq.jobs (kind) VALUES ('a')")
         assert await got.drain(0.1) == ["+"]
@@ -66,7 +66,7 @@ async def test_the_mark_lapses_and_never_moves_back(dsn, live_conn):
 async def test_an_insert_above_a_lease_floor_notifies_while_nobody_waits(dsn, live_conn):
     c, got = await listening(dsn)
     try:
-        await queue.set_floors(live_conn, c.get_server_pid(), {"a": 0})
+        await wakeups.set_floors(live_conn, c.get_server_pid(), {"a": 0})
         await live_conn.execute("INSERT INTO gpuq.jobs (kind, priority) VALUES ('a', 0), ('b', 7)")
         assert await got.drain() == []  # ahead of the cursor, or no cursor in b
         await live_conn.execute("INSERT INTO gpuq.jobs (kind, priority) VALUES ('a', 3), ('b', 7)")
@@ -77,10 +77,10 @@ async def test_an_insert_above_a_lease_floor_notifies_while_nobody_waits(dsn, li
 
 async def test_floors_of_gone_dispatchers_are_cleared(live_conn):
     me = live_conn.get_server_pid()
-    await queue.set_floors(live_conn, 2_000_000_000, {"a": 0})  # no such backend
-    await queue.set_floors(live_conn, me, {"a": 1, "b": -2})
+    await wakeups.set_floors(live_conn, 2_000_000_000, {"a": 0})  # no such backend
+    await wakeups.set_floors(live_conn, me, {"a": 1, "b": -2})
     assert await live_conn.fetchval("SELECT count(*) FROM gpuq.lease_floors") == 3
-    await queue.clear_floors(live_conn, 0)
+    await wakeups.clear_floors(live_conn, 0)
     assert await live_conn.fetch("SELECT kind, priority FROM gpuq.lease_floors ORDER BY kind") == [
         ("a", 1), ("b", -2)]
 
@@ -92,11 +92,11 @@ async def test_arming_names_the_writers_of_jobs_still_open(dsn, live_conn):
         await tx.start()
         await producer.execute("INSERT INTO gpuq.jobs (kind) VALUES ('train')")
         xid = await producer.fetchval("SELECT backend_xid::text FROM pg_stat_activity WHERE pid = pg_backend_pid()")
-        armed = await queue.arm_wakeups(live_conn, 1000)
+        armed = await wakeups.arm_wakeups(live_conn, 1000)
         assert xid in armed.stragglers
-        assert xid in await queue.stragglers_left(live_conn, armed.stragglers)
+        assert xid in await wakeups.stragglers_left(live_conn, armed.stragglers)
         await tx.commit()
-        assert await queue.stragglers_left(live_conn, armed.stragglers) == []
+        assert await wakeups.stragglers_left(live_conn, armed.stragglers) == []
     finally:
         await producer.close()
 
@@ -197,7 +197,7 @@ async def test_a_lowered_floor_rewinds_at_once_and_as_each_insert_that_read_the_
     from gpuq.config import ServerConfig
     from gpuq.dispatcher.groups import GroupLeases
     from gpuq.dispatcher.sessions import Sessions
-    from gpuq.dispatcher.wakeups import Pass
+    from gpuq.dispatcher.trigger import Pass
 
     g = GroupLeases(pool, ServerConfig(database_url=dsn, poll_seconds=60), Tuning(),
                     listen_pid=live_conn.get_server_pid, recheck=lambda kinds: None)
@@ -235,13 +235,13 @@ async def test_the_lowest_floor_gates_the_trigger(dsn, live_conn):
     c, got = await listening(dsn)
     try:
         lowest = "SELECT pg_sequence_last_value('gpuq.lowest_floor')"
-        await queue.set_floors(live_conn, live_conn.get_server_pid(), {"a": 4, "b": 2})
-        await queue.set_floors(live_conn, 2_000_000_000, {"a": 3})  # a dispatcher that is gone
+        await wakeups.set_floors(live_conn, live_conn.get_server_pid(), {"a": 4, "b": 2})
+        await wakeups.set_floors(live_conn, 2_000_000_000, {"a": 3})  # a dispatcher that is gone
         assert await live_conn.fetchval(lowest) == 2
         await live_conn.execute("INSERT INTO gpuq.jobs (kind, priority) VALUES ('a', 2), ('b', 2)")
         await live_conn.execute("INSERT INTO gpuq.jobs (kind, priority) VALUES ('a', 4), ('b', 3)")
         assert sorted(await got.drain()) == ["a@4", "b@3"]  # above 3 (a), 2 (b)
-        await queue.clear_floors(live_conn, live_conn.get_server_pid())
+        await wakeups.clear_floors(live_conn, live_conn.get_server_pid())
         assert await live_conn.fetchval(lowest) == 32767  # no floors: nothing is above
         await live_conn.execute("INSERT INTO gpuq.jobs (kind, priority) VALUES ('a', 9)")
         assert await got.drain() == []
@@ -266,7 +266,7 @@ async def test_the_wake_up_path_never_plans_a_scan_the_guards_price_out(live_con
     every call: the trigger read its sequence that way once, and producers'
     commits fell to 77/s. Every statement an insert, an arm and a horizon run
     must have another path (sequences are read with pg_sequence_last_value)."""
-    await queue.set_floors(live_conn, live_conn.get_server_pid(), {"train": 0})
+    await wakeups.set_floors(live_conn, live_conn.get_server_pid(), {"train": 0})
     for statement in ("INSERT INTO gpuq.jobs (kind, priority) VALUES ('train', 1)",
                       "SELECT gpuq.arm_wakeups(1000)", "SELECT gpuq.insert_horizon()"):
         plans = await nested_plans(live_conn, statement)

@@ -6,8 +6,8 @@ from gpuq.config import ServerConfig
 from gpuq.dispatcher.cursors import Cursors
 from gpuq.dispatcher.groups import GroupLeases
 from gpuq.dispatcher.sessions import Sessions
+from gpuq.dispatcher.trigger import Pass
 from gpuq.dispatcher.tuning import Tuning
-from gpuq.dispatcher.wakeups import Pass
 
 
 def cursors(**by_kind: tuple[int, int]) -> Cursors:

@@ -74,7 +74,7 @@ def test_the_server_keeps_the_latest_labels_models_and_usage():
     assert (p.labels, p.models) == (("gpu=h100",), ("sdxl", "llama-8b"))
     usage = (DeviceUsage(0, 35, 1024), DeviceUsage(7, 1, 1))  # 7 is not one of its devices: ignored
     assert p.receive(encode(Heartbeat((), usage)), 0.0) == []
-    assert p.usage == {0: DeviceUsage(0, 35, 1024)}
+    assert p.ledger.usage == {0: DeviceUsage(0, 35, 1024)}
 
 
 @pytest.mark.parametrize("frame", [

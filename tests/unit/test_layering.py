@@ -9,7 +9,8 @@ import json
 import subprocess
 import sys
 
-DATABASE_SIDE = ("asyncpg", "gpuq.db", "gpuq.queue", "gpuq.sql", "gpuq.producer", "gpuq.dispatcher")
+DATABASE_SIDE = ("asyncpg", "gpuq.db", "gpuq.queue", "gpuq.admin", "gpuq.wakeups", "gpuq.sql", "gpuq.producer",
+                 "gpuq.dispatcher")
 
 
 def loaded_after(code: str) -> set[str]:

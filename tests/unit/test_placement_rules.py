@@ -3,8 +3,8 @@
 from dataclasses import dataclass, field
 
 from gpuq import placement
+from gpuq.jobs import Shape
 from gpuq.protocol import Device
-from gpuq.queue import Shape
 
 
 @dataclass

@@ -94,7 +94,7 @@ def test_a_bad_first_message_is_answered_then_closes(hello, close):
     assert [json.loads(f)["type"] for f in p.frames_to_send()] == ["error"]
     code, reason = p.close_to_send()
     assert code == close and len(reason.encode()) <= 123
-    assert p.receive(HELLO, 0.1) == [] and p.free == 0  # closed: nothing more is taken
+    assert p.receive(HELLO, 0.1) == [] and p.ledger.free == 0  # closed: nothing more is taken
 
 
 def test_a_second_hello_with_a_long_non_ascii_version_closes_with_4000():
@@ -143,10 +143,10 @@ def test_a_flood_closes_with_4008_and_a_steady_rate_does_not():
 
 def test_credit_is_capacity_minus_held_jobs_and_a_matching_outcome_frees_it():
     p = opened()
-    assert p.free == 2
+    assert p.ledger.free == 2
     p.send_jobs([Leased(1), Leased(2, kind="other")])
     [frame] = sent(p)
-    assert [j["id"] for j in frame["jobs"]] == [1, 2] and p.free == 0
+    assert [j["id"] for j in frame["jobs"]] == [1, 2] and p.ledger.free == 0
     stale = json.dumps({"type": "done", "id": 1, "lease_token": "11111111-1111-1111-1111-111111111111",
                         "result": 1})
     [ev] = p.receive(stale, 0.1)
@@ -156,7 +156,7 @@ def test_credit_is_capacity_minus_held_jobs_and_a_matching_outcome_frees_it():
         {"type": "failed", "id": 99, "lease_token": TOKEN, "error": "x", "retryable": True}]})
     [ev] = p.receive(good, 0.2)
     assert ev.freed == 1 and [(m.id, kind) for m, kind in ev.outcomes] == [(2, "other"), (99, "?")]
-    assert p.free == 1 and set(p.held) == {1}
+    assert p.ledger.free == 1 and set(p.ledger.held) == {1}
 
 
 def test_a_heartbeat_extends_only_held_jobs_and_names_the_others():
@@ -172,7 +172,7 @@ def test_a_heartbeat_extends_only_held_jobs_and_names_the_others():
 def test_drain_takes_the_credit_away():
     p = opened()
     assert p.receive('{"type": "drain"}', 0.1) == [DrainRequested()]
-    assert p.free == 0 and p.draining
+    assert p.ledger.free == 0 and p.draining
 
 
 def test_acks_and_drain_go_out_in_order():
@@ -190,7 +190,7 @@ def test_a_version_2_agent_is_told_which_of_its_jobs_were_cancelled():
     p.frames_to_send()
     assert p.cancel([8, 99]) == [8]  # 99 is not held here
     assert sent(p) == [{"type": "cancel", "ids": [8]}]
-    assert p.held.keys() == {7, 8}  # held, with its credit, until the agent reports it
+    assert p.ledger.held.keys() == {7, 8}  # held, with its credit, until the agent reports it
     assert p.cancel([99]) == [] and sent(p) == []
 
 
@@ -276,15 +276,15 @@ def opened_5(capacity: int = 1, prefetch: int = 1) -> ServerProtocol:
 
 def test_prefetch_adds_credit_and_held_jobs_are_unstarted_until_the_agent_says():
     p = opened_5(capacity=1, prefetch=2)
-    assert p.free == 3
+    assert p.ledger.free == 3
     p.send_jobs([Leased(1), Leased(2), Leased(3)])
-    assert p.free == 0 and p.unstarted() == [1, 2, 3]
+    assert p.ledger.free == 0 and p.ledger.unstarted() == [1, 2, 3]
     assert p.receive(json.dumps({"type": "started", "ids": [1, 99]}), 0.0) == []  # 99: not held, ignored
-    assert p.unstarted() == [2, 3]
+    assert p.ledger.unstarted() == [2, 3]
     done = {"type": "done", "id": 1, "lease_token": TOKEN, "result": None}
     [event] = p.receive(json.dumps({"type": "results", "started": [2], "results": [done]}), 0.0)
     assert isinstance(event, OutcomesReceived) and event.freed == 1
-    assert p.unstarted() == [3] and p.free == 1
+    assert p.ledger.unstarted() == [3] and p.ledger.free == 1
 
 
 def test_release_gives_back_only_unstarted_held_jobs():
@@ -293,7 +293,7 @@ def test_release_gives_back_only_unstarted_held_jobs():
     p.receive(json.dumps({"type": "started", "ids": [1]}), 0.0)
     [event] = p.receive(json.dumps({"type": "release", "ids": [1, 2, 3, 42]}), 0.0)
     assert event == JobsReleased(((2, TOKEN), (3, TOKEN)))
-    assert list(p.held) == [1]
+    assert list(p.ledger.held) == [1]
 
 
 @pytest.mark.parametrize("frame", [
@@ -305,14 +305,14 @@ def test_prefetch_messages_need_version_5(frame):
     p = opened(1)
     [event] = p.receive(frame, 0.0)
     assert isinstance(event, FrameRefused) and event.code == ErrorCode.UNEXPECTED
-    assert p.unstarted() == []  # before version 5 every pushed job starts at once
+    assert p.ledger.unstarted() == []  # before version 5 every pushed job starts at once
 
 
 def test_a_version_4_hello_has_no_prefetch():
     p = ServerProtocol(max_payload=4096, max_messages_per_second=1000, now=0.0)
     p.receive(json.dumps({"type": "hello", "agent": "a", "kinds": ["embed"], "capacity": 2, "protocol": 4,
                           "devices": [], "labels": [], "models": []}), 0.0)
-    assert p.prefetch == 0 and p.free == 2
+    assert p.ledger.prefetch == 0 and p.ledger.free == 2
     bad = ServerProtocol(max_payload=4096, max_messages_per_second=1000, now=0.0)
     [refused] = bad.receive(json.dumps({"type": "hello", "agent": "a", "kinds": ["embed"], "capacity": 2,
                                         "protocol": 4, "devices": [], "labels": [], "models": [],
@@ -341,17 +341,17 @@ def opened_gpus(version: int = 6, prefetch: int = 1, devices: int = 2) -> Server
 def test_a_busy_device_takes_one_job_ready_only_for_a_version_6_agent_with_prefetch():
     p = opened_gpus()
     assert p.send_jobs([GpuJob(1), GpuJob(2)]) == []
-    assert p.free_devices() == [] and p.ready_devices() == [0, 1]
+    assert p.ledger.free_devices() == [] and p.ledger.ready_devices() == [0, 1]
     assert p.send_jobs([GpuJob(3, queued_ms=1500)]) == []
-    assert p.devices_in_use[3] == (0,) and p.ready_devices() == [1]
+    assert p.ledger.devices_in_use[3] == (0,) and p.ledger.ready_devices() == [1]
     assert [j.id for j in p.send_jobs([GpuJob(4, gpus=2)])] == [4]  # refused: device 0 holds one ready
-    assert p.ready_devices(2048) == []  # too little memory
+    assert p.ledger.ready_devices(2048) == []  # too little memory
     jobs = [j for f in sent(p) for j in f["jobs"]]
     assert [(j["id"], j["devices"]) for j in jobs] == [(1, [0]), (2, [1]), (3, [0])]
     assert jobs[2]["queued_ms"] == 1500
     for older in (opened_gpus(version=5), opened_gpus(prefetch=0)):
         older.send_jobs([GpuJob(1), GpuJob(2)])
-        assert older.ready_devices() == []
+        assert older.ledger.ready_devices() == []
         assert [j.id for j in older.send_jobs([GpuJob(3, queued_ms=5)])] == [3]  # no free device: refused
         assert all("queued_ms" not in j for f in sent(older) for j in f["jobs"])
 
@@ -361,8 +361,8 @@ def test_a_slot_report_is_summed_over_the_window_and_needs_version_6():
     beat = {"type": "heartbeat", "ids": [], "slots": {"busy_ms": 900.0, "idle_ms": 100.0, "gaps": [1] + [0] * 12}}
     [event] = p.receive(json.dumps(beat), 10.0)
     assert event == SlotsReported(SlotReport(900.0, 100.0, (1,) + (0,) * 12))
-    assert p.busy.totals(10.0) == (900.0, 100.0)
-    assert p.busy.totals(71.0) == (0.0, 0.0)  # a minute later it has left the window
+    assert p.ledger.busy.totals(10.0) == (900.0, 100.0)
+    assert p.ledger.busy.totals(71.0) == (0.0, 0.0)  # a minute later it has left the window
     [refused] = opened_gpus(version=5).receive(json.dumps(beat), 0.0)
     assert isinstance(refused, FrameRefused) and refused.code == ErrorCode.UNEXPECTED
     beat["slots"]["gaps"] = [1]

@@ -3,8 +3,8 @@
 from types import SimpleNamespace
 
 from gpuq import metrics
+from gpuq.jobs import StatusCounts
 from gpuq.latency import JobLatency, percentiles
-from gpuq.queue import StatusCounts
 from gpuq.ui.trend import HEIGHT, WIDTH, Trend, chart
 
 

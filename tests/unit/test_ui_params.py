@@ -2,7 +2,7 @@
 
 import pytest
 
-from gpuq.queue import JobFilter, RetryFilter
+from gpuq.jobs import JobFilter, RetryFilter
 from gpuq.ui import params
 
 
@@ -46,7 +46,7 @@ def test_retry_takes_one_id_or_a_failed_lists_filters():
 
 
 def test_a_list_shows_an_errors_last_line():
-    from gpuq.queue import error_line
+    from gpuq.jobs import error_line
 
     assert error_line("Traceback (most recent call last):\n  File x\nRuntimeError: CUDA out of memory\n") == \
         "RuntimeError: CUDA out of memory"

@@ -23,7 +23,7 @@ from gpuq import queue
 from gpuq.bench import common, peer_pgqueuer
 from gpuq.bench.measure import percentiles
 from gpuq.harness import KIND, Fleet
-from gpuq.queue import NewJob
+from gpuq.jobs import NewJob
 
 STATS = ("p50_ms", "p90_ms", "p99_ms", "max_ms")
 

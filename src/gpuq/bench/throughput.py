@@ -40,7 +40,7 @@ from gpuq.bench import dashboard as bench_dashboard
 from gpuq.bench.measure import CpuMeter, postmaster_pid
 from gpuq.db import connect
 from gpuq.harness import KIND, Fleet
-from gpuq.queue import NewJob
+from gpuq.jobs import NewJob
 
 CHUNKS = {"bulk": 10_000, "stream": 100}
 

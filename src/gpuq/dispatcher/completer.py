@@ -3,8 +3,9 @@
 ``submit`` queues outcomes as the server reads them; one task writes every
 outcome queued by then with one ``complete_many`` and one ``fail_many``, then
 acks each agent. Jobs given back unstarted (``release_unstarted``) and leases
-no agent will run (``release``) go back to pending in the same flush. A batch the database refuses (a value jsonb cannot take) is
-written one by one, so one bad outcome cannot block the others.
+no agent will run (``release``) go back to pending in the same flush. A batch
+the database refuses (a value jsonb cannot take) is written one by one, so one
+bad outcome cannot block the others.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import anyio
 import asyncpg
 
 from gpuq import db, logs, metrics, queue
+from gpuq.jobs import FailOutcome, JobBackoff
 from gpuq.latency import JobLatency
 from gpuq.loops import run_every
 from gpuq.protocol import Done, Failed
-from gpuq.queue import Backoff
 
 log = logs.get("completer")
 
@@ -36,7 +37,7 @@ class Session(Protocol):
 class Completer:
     """Batches agents' outcomes into few statements; acks each agent after commit."""
 
-    def __init__(self, pool: Any, backoff: Backoff, on_written: Callable[[], None] | None = None,
+    def __init__(self, pool: Any, backoff: JobBackoff, on_written: Callable[[], None] | None = None,
                  latency: JobLatency | None = None, on_released: Callable[[Session], None] | None = None):
         self.pool = pool
         self.backoff = backoff
@@ -121,7 +122,7 @@ class Completer:
             del self.unstarted[:len(given)]
         done, failed, orphans = self.done[:1000], self.failed[:1000], self.orphans[:1000]
         accepted: set[int] = set()
-        outcomes: dict[int, queue.FailOutcome] = {}
+        outcomes: dict[int, FailOutcome] = {}
         if done:
             accepted = await queue.complete_many(self.pool, [(m.id, m.lease_token, m.result) for _, m, _ in done])
         if failed:
@@ -167,7 +168,7 @@ class Completer:
                 self.on_released(session)
 
     def _log(self, done: list[Any], failed: list[Any], accepted: set[int],
-             outcomes: dict[int, queue.FailOutcome]) -> None:
+             outcomes: dict[int, FailOutcome]) -> None:
         if done:
             rejected = [m.id for _, m, _ in done if m.id not in accepted]
             log.info("job.done", count=len(accepted), job_ids=sorted(accepted),

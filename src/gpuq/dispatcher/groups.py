@@ -14,12 +14,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from gpuq import logs, metrics, queue
+from gpuq import logs, metrics, queue, wakeups
 from gpuq.config import ServerConfig
 from gpuq.dispatcher.cursors import Cursors
 from gpuq.dispatcher.sessions import AgentSession, Sessions, interleave
+from gpuq.dispatcher.trigger import Pass
 from gpuq.dispatcher.tuning import Tuning
-from gpuq.dispatcher.wakeups import Pass
+from gpuq.jobs import LeasedJob
 
 log = logs.get("dispatcher")
 
@@ -39,7 +40,7 @@ class GroupLeases:
         self._short.discard(kinds)
 
     async def lease(self, sessions: Sessions, why: Pass, listening: bool,
-                    stopping: Callable[[], bool]) -> AsyncIterator[list[queue.LeasedJob]]:
+                    stopping: Callable[[], bool]) -> AsyncIterator[list[LeasedJob]]:
         """Lease for each group with a reason to; yields each batch (deliver it before the next)."""
         if self.cursors.confirm:  # kinds a writer that ended may have put jobs behind: this pass too
             why.kinds |= await self._confirm_floors()
@@ -59,7 +60,7 @@ class GroupLeases:
                 yield jobs
 
     async def _lease_group(self, kinds: frozenset[str], members: list[AgentSession],
-                           stopping: Callable[[], bool]) -> AsyncIterator[list[queue.LeasedJob]]:
+                           stopping: Callable[[], bool]) -> AsyncIterator[list[LeasedJob]]:
         """Lease for one group until its credit is used or the queue has no more for it."""
         while not stopping():
             slots = interleave(members, self.config.max_batch)
@@ -88,10 +89,10 @@ class GroupLeases:
         if not self.cursors.settle_due(time.monotonic(), self.tuning.settle_seconds):
             return
         writers = self.cursors.horizon_writers()
-        if writers and await queue.stragglers_left(self.pool, writers):
+        if writers and await wakeups.stragglers_left(self.pool, writers):
             return
         self.cursors.horizon_ended()
-        self.cursors.new_horizon(*await queue.insert_horizon(self.pool))
+        self.cursors.new_horizon(*await wakeups.insert_horizon(self.pool))
 
     async def _record_floors(self, moved: dict[str, int]) -> None:
         """Inserts above the priority a cursor reached must notify: record where it moved.
@@ -103,18 +104,18 @@ class GroupLeases:
         """
         if (pid := self._listen_pid()) is None:
             return
-        await queue.set_floors(self.pool, pid, moved)
+        await wakeups.set_floors(self.pool, pid, moved)
         if lowered := self.cursors.floors_recorded(moved):
             self._recheck(lowered)
-            _last_id, writers = await queue.insert_horizon(self.pool)
+            _last_id, writers = await wakeups.insert_horizon(self.pool)
             self.cursors.confirm_after(lowered, writers)
 
     async def _confirm_floors(self) -> set[str]:
         """Rewind the kinds whose floor went down each time a writer that may have read the old floor ends."""
-        running = set(await queue.stragglers_left(self.pool, self.cursors.confirm_writers()))
+        running = set(await wakeups.stragglers_left(self.pool, self.cursors.confirm_writers()))
         return self.cursors.writers_running(running)
 
     async def listen_connected(self, pid: int) -> None:
         """A new LISTEN connection: clear our floors from before (and the dead's)."""
-        await queue.clear_floors(self.pool, pid)
+        await wakeups.clear_floors(self.pool, pid)
         self.cursors.forget_floors()

@@ -3,7 +3,7 @@
 A pass leases plain jobs per group of agents (``groups.py``), then placed jobs
 shape by shape (``placing.py``), and pushes each batch to the agents named in
 its ``leased_by`` before the next is computed. Every reason to lease arrives
-through ``Wakeups``; outcomes, heartbeats and progress are written by their
+through ``LeaseTrigger``; outcomes, heartbeats and progress are written by their
 own parts in the background, so the server's reader never waits on the
 database.
 """
@@ -24,39 +24,39 @@ from gpuq.dispatcher.heartbeats import Heartbeats
 from gpuq.dispatcher.placing import Placing
 from gpuq.dispatcher.progress import ProgressWriter
 from gpuq.dispatcher.sessions import AgentSession, Sessions
+from gpuq.dispatcher.trigger import LeaseTrigger, Pass
 from gpuq.dispatcher.tuning import TUNING_DEFAULT, Tuning
-from gpuq.dispatcher.wakeups import Pass, Wakeups
+from gpuq.jobs import JobBackoff, LeasedJob
 from gpuq.latency import JobLatency
 from gpuq.loops import run_every
 from gpuq.protocol import Done, Failed, ProgressUpdate
-from gpuq.queue import Backoff
 
 log = logs.get("dispatcher")
 
 
 class Dispatcher:
     def __init__(self, pool: Any, config: ServerConfig, tuning: Tuning = TUNING_DEFAULT,
-                 backoff: Backoff | None = None):
+                 backoff: JobBackoff | None = None):
         self.pool, self.config, self.stopping = pool, config, False
         self.sessions = Sessions()
         self.latency = JobLatency(enabled=False)  # the dashboard turns it on
-        self.completer = Completer(pool, backoff or Backoff(), on_written=self._outcomes_written, latency=self.latency,
+        self.completer = Completer(pool, backoff or JobBackoff(), on_written=self._outcomes_written, latency=self.latency,
                                    on_released=self._credit_freed)
         self.progress = ProgressWriter(pool, tuning.progress_write_seconds)
         self.heartbeats = Heartbeats(pool, config.lease_seconds, on_lost=self.sessions.cancel_running)
-        self.wakeups = Wakeups(pool, config, tuning, on_kind=self._announced, on_cancel=self.sessions.cancel_running)
-        self.groups = GroupLeases(pool, config, tuning, lambda: self.wakeups.listen_pid, self.wakeups.recheck)
-        self.wakeups.on_listen = lambda: self.groups.listen_connected(self.wakeups.listen_pid or 0)
+        self.trigger = LeaseTrigger(pool, config, tuning, on_kind=self._announced, on_cancel=self.sessions.cancel_running)
+        self.groups = GroupLeases(pool, config, tuning, lambda: self.trigger.listen_pid, self.trigger.recheck)
+        self.trigger.on_listen = lambda: self.groups.listen_connected(self.trigger.listen_pid or 0)
         self.placing = Placing(pool, config, tuning)
 
     @property
     def listening(self) -> bool:
-        return self.wakeups.listening
+        return self.trigger.listening
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
             if self.config.listen_url is not None:  # else poll only (a pooled URL and no direct one)
-                tg.start_soon(self.wakeups.listen)
+                tg.start_soon(self.trigger.listen)
             tg.start_soon(self._lease_loop)
             for part in (self.completer, self.progress, self.heartbeats):
                 tg.start_soon(part.run)
@@ -75,7 +75,7 @@ class Dispatcher:
             released: list[int] = []
             try:
                 await self.completer.flush()
-                moved = await queue.release_agent(self.pool, session.id, session.protocol.started_ids())
+                moved = await queue.release_agent(self.pool, session.id, session.protocol.ledger.started_ids())
                 released = moved.pending + moved.dead
                 if moved.dead:
                     log.info("job.dead", agent=session.id, job_ids=moved.dead, count=len(moved.dead),
@@ -121,14 +121,14 @@ class Dispatcher:
     def _credit_freed(self, session: Any, new_agent: bool = False) -> None:
         if new_agent:
             self.groups.agent_came(session.kinds)
-        self.wakeups.credit_freed(session.kinds)
+        self.trigger.credit_freed(session.kinds)
 
     def _announced(self, kind: str, top: int | None) -> None:
         self.groups.cursors.announced(kind, top)
 
     def _outcomes_written(self) -> None:
         if self.placing.outcomes_written():
-            self.wakeups.wake()
+            self.trigger.wake()
 
     # -- the loop ------------------------------------------------------------
 
@@ -138,14 +138,14 @@ class Dispatcher:
 
     async def _lease_once(self) -> None:
         """Wait for a reason to lease (a notification, freed credit, a poll), then lease."""
-        why = await self.wakeups.wait(self.sessions.any_room(), lambda: self.placing.wait_left(
+        why = await self.trigger.wait(self.sessions.any_room(), lambda: self.placing.wait_left(
             self.sessions.any_room()))
         if why is not None and not self.stopping:
             await self.lease_pass(why)
 
     def _lease_failed(self, exc: BaseException, retry_in: float) -> None:
         log.warning("lease.failed", error=str(exc), retry_in=retry_in)
-        self.wakeups.lease_failed()
+        self.trigger.lease_failed()
 
     async def lease_pass(self, why: Pass) -> None:
         """One pass: every group with a reason to lease, then every shape; each batch delivered."""
@@ -153,14 +153,14 @@ class Dispatcher:
         await self._deliver_all(self.groups.lease(self.sessions, why, self.listening, stopping))
         await self._deliver_all(self.placing.lease(list(self.sessions), why.every, why.kinds, stopping))
 
-    async def _deliver_all(self, batches: AsyncIterator[list[queue.LeasedJob]]) -> None:
+    async def _deliver_all(self, batches: AsyncIterator[list[LeasedJob]]) -> None:
         async for jobs in batches:
             if jobs:
-                self.wakeups.found_work()
+                self.trigger.found_work()
             self._deliver(jobs)
 
-    def _deliver(self, jobs: list[queue.LeasedJob]) -> None:
-        by_session: dict[str, list[queue.LeasedJob]] = {}
+    def _deliver(self, jobs: list[LeasedJob]) -> None:
+        by_session: dict[str, list[LeasedJob]] = {}
         for j in jobs:
             by_session.setdefault(j.leased_by, []).append(j)
         for kind, n in Counter(j.kind for j in jobs).items():
@@ -187,7 +187,7 @@ class Dispatcher:
     async def drain(self, deadline_seconds: float) -> None:
         """Stop leasing, ask agents to finish, wait for their results, release the rest."""
         self.stopping = True
-        self.wakeups.wake()
+        self.trigger.wake()
         log.info("dispatcher.draining", agents=len(self.sessions), deadline_seconds=deadline_seconds)
         self.sessions.send_drain(deadline_seconds)
         with anyio.move_on_after(deadline_seconds):

@@ -21,10 +21,11 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
-from gpuq import logs, metrics, placement, queue
+from gpuq import admin, logs, metrics, placement, queue
 from gpuq.config import ServerConfig
 from gpuq.dispatcher.sessions import AgentSession
 from gpuq.dispatcher.tuning import Tuning
+from gpuq.jobs import LeasedJob, Shape
 from gpuq.placement import ShapeKey
 
 log = logs.get("dispatcher")
@@ -33,7 +34,7 @@ log = logs.get("dispatcher")
 class Placing:
     def __init__(self, pool: Any, config: ServerConfig, tuning: Tuning):
         self.pool, self.config, self.tuning = pool, config, tuning
-        self.shapes: dict[ShapeKey, queue.Shape] = {}
+        self.shapes: dict[ShapeKey, Shape] = {}
         self._shapes_at, self._shapes_stale = -tuning.shapes_seconds, True
         self._short: set[ShapeKey] = set()  # shapes whose last lease came up short
         # Limits (gpuq.limits, read with the shapes): kinds with one, and whether any key has one.
@@ -46,7 +47,7 @@ class Placing:
     # -- a pass ------------------------------------------------------------
 
     async def lease(self, agents: Sequence[AgentSession], every: bool, kinds: set[str],
-                    stopping: Callable[[], bool]) -> AsyncIterator[list[queue.LeasedJob]]:
+                    stopping: Callable[[], bool]) -> AsyncIterator[list[LeasedJob]]:
         """Lease placed jobs for ``agents``, shape by shape; ``every``: look at every shape, else
         those of the announced ``kinds`` and those that did not come up short."""
         if not agents:
@@ -58,7 +59,7 @@ class Placing:
         elif kinds:
             self._short = {key for key in self._short if key[0] not in kinds}
         await self._reserve(agents)
-        work = [*self.shapes.items(), *(((k, ""), queue.Shape.of_plain(k)) for k in self._limited_kinds)]
+        work = [*self.shapes.items(), *(((k, ""), Shape.of_plain(k)) for k in self._limited_kinds)]
         passes = [(warm_only, False) for warm_only in (True, False)]  # every shape's warm agents first
         passes += [(warm_only, True) for warm_only in (True, False)]  # then prefetch: ready on busy devices
         for warm_only, ready in passes:
@@ -69,8 +70,8 @@ class Placing:
                     yield jobs
         self._warm_wait_ends = {key: at for key, at in self._warm_wait_ends.items() if key not in self._short}
 
-    async def _lease_shape(self, key: ShapeKey, shape: queue.Shape, agents: Sequence[AgentSession],
-                           warm_only: bool, ready: bool, stopping: Callable[[], bool]) -> AsyncIterator[list[queue.LeasedJob]]:
+    async def _lease_shape(self, key: ShapeKey, shape: Shape, agents: Sequence[AgentSession],
+                           warm_only: bool, ready: bool, stopping: Callable[[], bool]) -> AsyncIterator[list[LeasedJob]]:
         """Lease a shape's jobs for the agents with room (``ready``: room to hold them ready on busy
         devices); ``warm_only``: those holding its model warm, else the others, after the warm wait."""
         while key not in self._short and not stopping():
@@ -95,7 +96,7 @@ class Placing:
                 self._short.add(key)
             yield jobs
 
-    def _after_warm_wait(self, key: ShapeKey, shape: queue.Shape, agents: Sequence[AgentSession],
+    def _after_warm_wait(self, key: ShapeKey, shape: Shape, agents: Sequence[AgentSession],
                          slots: list[str]) -> list[str]:
         """Of the agents that could take a shape's jobs but do not hold their model warm, those
         that may: all when no connected agent holds it; else none until one of them had room
@@ -115,7 +116,7 @@ class Placing:
         del self._warm_wait_ends[key]
         return [sid for sid in slots if sid == slots[0]]
 
-    def _waits_for_warm(self, shape: queue.Shape, agents: Iterable[AgentSession]) -> bool:
+    def _waits_for_warm(self, shape: Shape, agents: Iterable[AgentSession]) -> bool:
         """Whether the shape's jobs wait a while for an agent holding their model warm."""
         return bool(shape.model and self.config.warm_wait_seconds and placement.warm_somewhere(shape, agents))
 
@@ -163,7 +164,7 @@ class Placing:
         self._short -= held
         return bool(held)
 
-    def _limited(self, shape: queue.Shape) -> bool:
+    def _limited(self, shape: Shape) -> bool:
         """Whether a limit may hold the shape's jobs back: they go through lease_limited."""
         return shape.kind in self._limited_kinds or (shape.keyed and self._key_limits)
 
@@ -186,8 +187,8 @@ class Placing:
         now = time.monotonic()
         self._shapes_stale = self._shapes_stale or wanted
         if self._shapes_stale and now - self._shapes_at >= self.tuning.shapes_seconds:
-            self.shapes = {(s.kind, s.shape): s for s in await queue.shapes(self.pool)}
-            limits = await queue.limits(self.pool)
+            self.shapes = {s.key: s for s in await queue.read_shapes(self.pool)}
+            limits = await admin.limits(self.pool)
             self._limited_kinds = frozenset(lim["name"] for lim in limits if lim["scope"] == "kind")
             self._key_limits = any(lim["scope"] == "key" for lim in limits)
             self._shapes_at, self._shapes_stale = now, False

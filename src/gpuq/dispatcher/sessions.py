@@ -40,16 +40,16 @@ class AgentSession:
 
     @property
     def capacity(self) -> int:
-        return self.protocol.capacity
+        return self.protocol.ledger.capacity
 
     @property
     def inflight(self) -> dict[int, tuple[str, str]]:
         """Job id -> (lease token, kind) of the jobs pushed and not yet reported."""
-        return self.protocol.held
+        return self.protocol.ledger.held
 
     @property
     def free(self) -> int:
-        return self.protocol.free
+        return self.protocol.ledger.free
 
     @property
     def devices(self) -> tuple[Device, ...]:
@@ -69,10 +69,10 @@ class AgentSession:
         return frozenset(self.protocol.models)
 
     def free_devices(self, min_memory_mb: int = 0) -> list[int]:
-        return self.protocol.free_devices(min_memory_mb)
+        return self.protocol.ledger.free_devices(min_memory_mb)
 
     def ready_devices(self, min_memory_mb: int = 0) -> list[int]:
-        return self.protocol.ready_devices(min_memory_mb)
+        return self.protocol.ledger.ready_devices(min_memory_mb)
 
     @property
     def draining(self) -> bool:

@@ -48,10 +48,11 @@ from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any
 
-from gpuq.protocol.codes import SLOTS_SINCE, ErrorCode, ProtocolError
+from gpuq.protocol.codes import PREFETCH_SINCE, SLOTS_SINCE, ErrorCode, ProtocolError
 from gpuq.protocol.describe import DeviceUsage
+from gpuq.protocol.fields import contains_nul
+from gpuq.protocol.frames import RESULTS_OVERHEAD, encode, encode_done, pack_progress, pack_results
 from gpuq.protocol.messages import (
-    RESULTS_OVERHEAD,
     Ack,
     Cancel,
     Drain,
@@ -64,15 +65,9 @@ from gpuq.protocol.messages import (
     ServerMessage,
     Update,
     Welcome,
-    contains_nul,
-    encode,
-    encode_done,
     mark_cancelled,
-    pack_progress,
-    pack_results,
-    parse_client,
-    parse_server,
 )
+from gpuq.protocol.parse import parse_client, parse_server
 from gpuq.protocol.slots import SlotClock
 
 
@@ -139,7 +134,7 @@ class AgentProtocol:
             if not isinstance(msg, Welcome):
                 raise ProtocolError(ErrorCode.UNEXPECTED, f"expected welcome, got {msg}")
             self.state, self.max_frame = State.OPEN, msg.max_payload
-            self._speaks_started = msg.protocol >= 5
+            self._speaks_started = msg.protocol >= PREFETCH_SINCE
             self.slots = None
             if msg.protocol >= SLOTS_SINCE:
                 self.slots = SlotClock(self.hello.capacity, (d.index for d in self.hello.devices), self.clock())

@@ -1,7 +1,7 @@
 """What an agent says about itself (protocol 4): devices, labels, warm models, device usage.
 
-Types and strict checks only, like ``messages`` (which builds ``hello``,
-``update`` and ``heartbeat`` from them). A device is one GPU the agent may
+Types and strict checks only (``parse`` builds ``hello``, ``update`` and
+``heartbeat`` from them, ``frames`` encodes them). A device is one GPU the agent may
 give to jobs: its ``index`` is what the handler gets in ``job.devices`` (and
 what ``CUDA_VISIBLE_DEVICES`` names). Labels are free-form ``key=value`` (or
 bare) words a job can require; models are the names of the models the agent

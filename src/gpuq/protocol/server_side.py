@@ -1,10 +1,11 @@
-"""The server's side of one agent connection, as a state machine without I/O.
+"""The rules of one agent connection, as the server sees it: a state machine without I/O.
 
 The I/O layer (``gpuq.server``) feeds it every frame with ``receive(frame, now)``
 and acts on what it returns: events for the dispatcher, ``frames_to_send()``
 for the socket and ``close_to_send()`` once the connection must end. The
-dispatcher queues jobs, acks and drains through it. Every rule of the
-connection lives here:
+dispatcher queues jobs, acks and drains through it. What the connection
+holds and may take (credit, devices, usage) is its ``ledger`` (``ledger.py``);
+every rule of the connection lives here:
 
 - ``hello`` first, within ``hello_timeout`` (``check_deadline``); a bad one
   closes (4003 for an unsupported version, else 4000) after an ``error``;
@@ -12,34 +13,28 @@ connection lives here:
   to ``max_errors``; a fatal one closes (1003 for a binary frame, else 4000);
 - at most ``max_messages_per_second`` frames per second, averaged over
   ``burst_seconds``, else 4008;
-- credit: ``capacity`` minus the jobs held without devices, none while
-  draining; a job pushed with devices takes those devices instead (version
-  4: ``free_devices``); an outcome whose token matches a held job frees its
-  credit or its devices;
+- the ledger gives credit from the hello until the agent drains or the
+  connection closes; an outcome is settled in it by its lease token;
 - a heartbeat only for jobs this connection holds (``not_held``);
-- the connection speaks the agent's version (1 to 3); ``cancel`` messages go
-  only to agents of version 2 or later and only name jobs the connection holds;
+- the connection speaks the agent's version (any of ``SUPPORTED_VERSIONS``,
+  1 to 6); a message of a later version than the connection's is refused
+  (``unexpected``); ``cancel`` messages go only to agents of version 2 or
+  later and only name jobs the connection holds;
 - ``progress`` (version 3) counts only for jobs held with that lease token;
   updates for any other job are dropped without an error (a job the agent
   still runs after a reconnect is not this connection's);
 - version 4: the hello's devices, labels and models describe the agent;
   ``update`` replaces labels and/or models, heartbeats may carry device
-  usage; ``labels``, ``models`` and ``usage`` here are always the latest;
-- version 5: ``prefetch`` more jobs without devices than ``capacity`` may be
-  held (the agent keeps them ready for its next free slot); the agent says
-  which jobs it ``started``; a held job never said started is *unstarted*:
-  it goes back without counting its attempt when the agent leaves, or at once
-  when the agent gives it back (``release``).
+  usage; ``labels`` and ``models`` here, ``ledger.usage``, are always the latest;
+- version 5: the agent says which jobs it ``started`` and gives back those
+  it will not start (``release``: back to pending at once);
 - version 6: each pushed job says how long it was due (``queued_ms``);
   heartbeats may report the slots' busy time and gaps (``slots``, summed over
-  the last minute in ``busy``); an agent with ``prefetch`` may be given one
-  job per device beyond the one running there (``ready_devices``), which
-  starts when the device frees.
+  the last minute in ``ledger.busy``).
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -55,7 +50,8 @@ from gpuq.protocol.codes import (
     ErrorCode,
     ProtocolError,
 )
-from gpuq.protocol.describe import DeviceUsage
+from gpuq.protocol.frames import encode, job_message, jobs_frame
+from gpuq.protocol.ledger import Ledger
 from gpuq.protocol.messages import (
     Ack,
     Cancel,
@@ -74,12 +70,9 @@ from gpuq.protocol.messages import (
     Started,
     Update,
     Welcome,
-    encode,
-    job_message,
-    jobs_frame,
-    parse_client,
 )
-from gpuq.protocol.slots import BusyWindow, SlotReport
+from gpuq.protocol.parse import parse_client
+from gpuq.protocol.slots import SlotReport
 
 HELLO_TIMEOUT_SECONDS = 10.0
 MAX_ERRORS_PER_CONNECTION = 100  # then the connection is closed with 4000
@@ -143,12 +136,10 @@ class SlotsReported:
     report: SlotReport
 
 
-@dataclass(frozen=True, slots=True)
-class FrameRefused:
-    """A frame got an ``error`` (or closed the connection): for metrics and logs."""
+class FrameRefused(Error):
+    """A frame got this ``error`` (or, for the same reason, closed the connection): for metrics and logs."""
 
-    code: ErrorCode
-    message: str
+    __slots__ = ()
 
 
 Event = (HelloReceived | OutcomesReceived | HeartbeatReceived | DrainRequested | ProgressReceived | AgentUpdated
@@ -191,82 +182,14 @@ class ServerProtocol:
         self.max_errors = max_errors
         self.errors = 0
         self.draining = False
-        self.held: dict[int, tuple[str, str]] = {}  # job id -> (lease token, kind)
+        self.ledger = Ledger()  # what this connection holds and may take
         self.labels: tuple[str, ...] = ()  # version 4: the hello's, then each update's
         self.models: tuple[str, ...] = ()
-        self.usage: dict[int, DeviceUsage] = {}  # device index -> its last reported usage
-        self.devices_in_use: dict[int, tuple[int, ...]] = {}  # job id -> the devices it was pushed with
-        self.started: set[int] = set()  # version 5: held jobs the agent said it started
-        self.busy = BusyWindow()  # version 6: the agent's slot reports of the last minute
         self.last_heartbeat: float | None = None  # when the last heartbeat came (the clock of receive)
         self._now = now
         self._bucket = TokenBucket(max_messages_per_second, RATE_BURST_SECONDS, now)
         self._out: list[str] = []
         self._close: tuple[CloseCode, str] | None = None
-
-    # -- credit --------------------------------------------------------------
-
-    @property
-    def capacity(self) -> int:
-        return self.hello.capacity if self.hello else 0
-
-    @property
-    def prefetch(self) -> int:
-        """Jobs without devices the agent holds ready beyond ``capacity`` (version 5)."""
-        return self.hello.prefetch if self.hello and self.hello.protocol >= PREFETCH_SINCE else 0
-
-    @property
-    def free(self) -> int:
-        """Jobs without devices this connection may be given now."""
-        if self.draining or self.state is not State.OPEN:
-            return 0
-        return max(0, self.capacity + self.prefetch - (len(self.held) - len(self.devices_in_use)))
-
-    def unstarted(self) -> list[int]:
-        """Held jobs the agent never said it started (version 5; before it, every job starts at once)."""
-        if self.version < PREFETCH_SINCE:
-            return []
-        return [i for i in self.held if i not in self.started]
-
-    def started_ids(self) -> list[int]:
-        """Held jobs that started: whose attempt counts if the connection ends now."""
-        return list(self.started) if self.version >= PREFETCH_SINCE else list(self.held)
-
-    def device_status(self) -> list[dict[str, Any]]:
-        """Each device the agent offers, as /status and the dashboard show it: its memory, its last
-        reported usage, the held job running there (``job``) and the one waiting for it (``next``,
-        version 6 prefetch; before version 5 every pushed job counts as running)."""
-        running: dict[int, int] = {}
-        waiting: dict[int, int] = {}
-        for job_id, given in self.devices_in_use.items():
-            started = job_id in self.started or self.version < PREFETCH_SINCE
-            for i in given:
-                (running if started else waiting)[i] = job_id
-        out = []
-        for d in self.hello.devices if self.hello else ():
-            usage = self.usage.get(d.index)
-            out.append({"index": d.index, "name": d.name, "memory_mb": d.memory_mb,
-                        "memory_used_mb": usage.memory_used_mb if usage else None,
-                        "utilization": usage.utilization if usage else None,
-                        "job": running.get(d.index), "next": waiting.get(d.index)})
-        return out
-
-    def free_devices(self, min_memory_mb: int = 0) -> list[int]:
-        """Indices of the devices no held job was given, with at least ``min_memory_mb`` (none while
-        draining)."""
-        if self.hello is None or self.draining or self.state is not State.OPEN:
-            return []
-        used = {i for given in self.devices_in_use.values() for i in given}
-        return [d.index for d in self.hello.devices if d.index not in used and d.memory_mb >= min_memory_mb]
-
-    def ready_devices(self, min_memory_mb: int = 0) -> list[int]:
-        """Version 6, ``prefetch`` on: indices of the devices that run one held job and have none
-        waiting, with at least ``min_memory_mb``: each may take one job to start when it frees."""
-        if self.hello is None or self.draining or self.state is not State.OPEN or not self.prefetch \
-                or self.version < SLOTS_SINCE:
-            return []
-        given = Counter(i for devices in self.devices_in_use.values() for i in devices)
-        return [d.index for d in self.hello.devices if given[d.index] == 1 and d.memory_mb >= min_memory_mb]
 
     # -- input ---------------------------------------------------------------
 
@@ -299,6 +222,7 @@ class ServerProtocol:
             raise ProtocolError(ErrorCode.UNEXPECTED, "the first message must be hello", fatal=True)
         self.hello, self.state = msg, State.OPEN
         self.labels, self.models = msg.labels, msg.models
+        self.ledger.open(msg)
         return [HelloReceived(msg)]
 
     def _message(self, msg: ClientMessage) -> list[Event]:
@@ -316,11 +240,12 @@ class ServerProtocol:
         if isinstance(msg, Heartbeat):
             self.last_heartbeat = self._now
             if msg.devices is not None:
-                self._usage(msg.devices)
+                self._placement_message("device usage in a heartbeat")
+                self.ledger.record_usage(msg.devices)
             events = self._heartbeat(msg.ids)
             if msg.slots is not None:
                 self._needs(SLOTS_SINCE, "slots in a heartbeat")
-                self.busy.add(msg.slots, self._now)
+                self.ledger.busy.add(msg.slots, self._now)
                 events.append(SlotsReported(msg.slots))
             return events
         if isinstance(msg, Update):
@@ -330,38 +255,23 @@ class ServerProtocol:
             return [AgentUpdated()]
         if isinstance(msg, Drain):
             self.draining = True
+            self.ledger.stop()
             return [DrainRequested()]
         if isinstance(msg, Progress):
             return self._progress(msg.updates)
         raise ProtocolError(ErrorCode.UNEXPECTED, "hello was already received on this connection")
 
     def _outcomes(self, outcomes: tuple[Done | Failed, ...]) -> OutcomesReceived:
-        """Free the credit of each held job whose token matches. Any other outcome still
-        goes to the database (a resend after a reconnect can land): the token decides."""
-        held, items, freed = self.held, [], 0
-        for msg in outcomes:
-            entry = held.get(msg.id)
-            if entry is not None and entry[0] == msg.lease_token:
-                del held[msg.id]
-                self.devices_in_use.pop(msg.id, None)
-                self.started.discard(msg.id)
-                freed += 1
-                items.append((msg, entry[1]))
-            else:
-                items.append((msg, "?"))
-        return OutcomesReceived(items, freed)
+        return OutcomesReceived(*self.ledger.settle(outcomes))
 
     def _started(self, ids: tuple[int, ...]) -> None:
         self._needs(PREFETCH_SINCE, "started")
-        held = self.held
-        self.started.update(i for i in ids if i in held)  # another connection's: nothing to track
+        self.ledger.mark_started(ids)
 
     def _release(self, ids: tuple[int, ...]) -> list[Event]:
         """Give back held jobs the agent never started; a started one stays (its outcome will come)."""
         self._needs(PREFETCH_SINCE, "release")
-        back = tuple((i, self.held.pop(i)[0]) for i in ids if i in self.held and i not in self.started)
-        for i, _ in back:
-            self.devices_in_use.pop(i, None)
+        back = self.ledger.release(ids)
         return [JobsReleased(back)] if back else []
 
     def _needs(self, version: int, what: str) -> None:
@@ -372,19 +282,15 @@ class ServerProtocol:
     def _placement_message(self, what: str) -> None:
         self._needs(PLACEMENT_SINCE, what)
 
-    def _usage(self, devices: tuple[DeviceUsage, ...]) -> None:
-        self._placement_message("device usage in a heartbeat")
-        known = {d.index for d in self.hello.devices} if self.hello else set()
-        self.usage.update((u.index, u) for u in devices if u.index in known)
-
     def _progress(self, updates: tuple[ProgressUpdate, ...]) -> list[Event]:
         self._needs(PROGRESS_SINCE, "progress")
-        held = self.held
-        mine = tuple(u for u in updates if (entry := held.get(u.id)) is not None and entry[0] == u.lease_token)
+        holds = self.ledger.holds
+        mine = tuple(u for u in updates if holds(u.id, u.lease_token))
         return [ProgressReceived(mine)] if mine else []
 
     def _heartbeat(self, ids: tuple[int, ...]) -> list[Event]:
-        held = tuple(i for i in ids if i in self.held)
+        mine = self.ledger.held
+        held = tuple(i for i in ids if i in mine)
         events: list[Event] = [HeartbeatReceived(held)] if held else []
         if len(held) < len(ids):
             foreign = sorted(set(ids) - set(held))[:20]
@@ -417,19 +323,14 @@ class ServerProtocol:
         """Push leased jobs (``PushedJob``s): they are held, and take credit, until their outcome. A job
         with ``gpus`` is given that many free devices of at least its ``gpu_memory_mb``; the jobs
         returned did not find them (the caller gives them back) and were not pushed."""
-        held, pushed, refused = self.held, [], []
+        hold, pushed, refused = self.ledger.hold, [], []
         queued = self.version >= SLOTS_SINCE
         for j in jobs:
-            devices: tuple[int, ...] = ()
-            if gpus := getattr(j, "gpus", 0):
-                free = self.free_devices(j.gpu_memory_mb or 0)
-                if len(free) < gpus:
-                    free = self.ready_devices(j.gpu_memory_mb or 0)  # to start when they free
-                if len(free) < gpus:
-                    refused.append(j)
-                    continue
-                devices = self.devices_in_use[j.id] = tuple(free[:gpus])
-            held[j.id] = (j.lease_token, j.kind)
+            gpus = getattr(j, "gpus", 0)
+            devices = hold(j.id, j.lease_token, j.kind, gpus, (j.gpu_memory_mb or 0) if gpus else 0)
+            if devices is None:
+                refused.append(j)
+                continue
             pushed.append(job_message(j.id, j.lease_token, j.kind, j.payload_json, j.attempt,
                                       getattr(j, "timeout_seconds", None), devices,
                                       getattr(j, "queued_ms", None) if queued else None))
@@ -444,7 +345,8 @@ class ServerProtocol:
         """Tell the agent these jobs were cancelled: those this connection holds, if its version
         has ``cancel`` (a version 1 agent runs them to the end; fencing refuses the outcome).
         They stay held, and keep their credit, until the agent reports them."""
-        held = [i for i in ids if i in self.held]
+        mine = self.ledger.held
+        held = [i for i in ids if i in mine]
         if held and self.version >= CANCEL_SINCE and self.state is State.OPEN:
             self._out.append(encode(Cancel(tuple(held))))
             return held
@@ -465,6 +367,7 @@ class ServerProtocol:
         if self._close is None:
             self._close = (code, close_reason(reason))
         self.state = State.CLOSED
+        self.ledger.stop()
 
 
 def close_reason(text: str) -> str:

@@ -1,4 +1,4 @@
-"""The named SQL statements of ``queries.sql``, loaded once: ``queries["lease_slots"]``.
+"""The named SQL statements of ``queries.sql``, loaded once: ``queries["lease_slots"]``, and ``DB``, what runs them.
 
 A block is ``-- name: NAME``, one ``--`` line of description, then the
 statement up to the next block. The text is used as written: the same string
@@ -10,6 +10,17 @@ from __future__ import annotations
 import re
 from importlib import resources
 from pathlib import Path
+from typing import Any, Protocol
+
+
+class DB(Protocol):
+    """What the statements run on: an asyncpg Connection or Pool (both have fetch/execute)."""
+
+    async def fetch(self, query: str, *args: Any) -> list[Any]: ...
+    async def fetchrow(self, query: str, *args: Any) -> Any: ...
+    async def fetchval(self, query: str, *args: Any) -> Any: ...
+    async def execute(self, query: str, *args: Any) -> str: ...
+
 
 _BLOCK = re.compile(r"^-- name: (\w+)\n-- (.+)\n", re.MULTILINE)
 

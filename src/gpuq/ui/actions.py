@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
-from gpuq import logs, queue, schedules
+from gpuq import admin, logs, schedules
 from gpuq.ui import params, views
 
 log = logs.get("ui")
@@ -25,7 +25,7 @@ DONE: Outcome = (HTTPStatus.NO_CONTENT, "")
 async def pause(pool: Any, query: dict[str, str]) -> Outcome:
     """``gpuq pause``."""
     kind = params.checked_kind(query.get("kind", ""))
-    await queue.pause(pool, kind, by="dashboard")
+    await admin.pause(pool, kind, by="dashboard")
     log.info("ui.action", action="pause", kind=kind)
     return DONE
 
@@ -33,7 +33,7 @@ async def pause(pool: Any, query: dict[str, str]) -> Outcome:
 async def resume(pool: Any, query: dict[str, str]) -> Outcome:
     """``gpuq resume``."""
     kind = params.checked_kind(query.get("kind", ""))
-    await queue.resume(pool, kind)
+    await admin.resume(pool, kind)
     log.info("ui.action", action="resume", kind=kind)
     return DONE
 
@@ -41,7 +41,7 @@ async def resume(pool: Any, query: dict[str, str]) -> Outcome:
 async def cancel(pool: Any, query: dict[str, str]) -> Outcome:
     """``gpuq cancel ID``: 409 if the job is no longer live."""
     job_id = params.job_id(query.get("id", ""))
-    cancelled = await queue.cancel(pool, job_id)
+    cancelled = await admin.cancel(pool, job_id)
     log.info("ui.action", action="cancel", job_id=job_id, cancelled=bool(cancelled))
     if not cancelled:
         return HTTPStatus.CONFLICT, f"job {job_id} is not live (finished, or no such job)\n"
@@ -51,7 +51,7 @@ async def cancel(pool: Any, query: dict[str, str]) -> Outcome:
 async def retry(pool: Any, query: dict[str, str]) -> Outcome:
     """``gpuq retry``: one job (``id``) or every dead or cancelled job a list's filters match."""
     which = params.retry_filter(query)
-    n = await queue.retry(pool, which)
+    n = await admin.retry(pool, which)
     log.info("ui.action", action="retry", jobs=n, ids=which.ids, kind=which.kind, state=which.state,
              key=which.key, error=which.error)
     return HTTPStatus.OK, f"{n} job{'' if n == 1 else 's'} sent back to pending"
@@ -83,7 +83,7 @@ async def remove_schedule(pool: Any, query: dict[str, str]) -> Outcome:
 async def set_limit(pool: Any, query: dict[str, str]) -> Outcome:
     """``gpuq limit``: at most ``max`` leased at once per kind or key; no ``max``: no limit."""
     scope, name, most = query.get("scope", ""), query.get("name", "").strip(), params.whole(query, "max")
-    await queue.set_limit(pool, scope, name, most)
+    await admin.set_limit(pool, scope, name, most)
     log.info("ui.action", action="set_limit", scope=scope, name=name, max_running=most)
     return HTTPStatus.OK, f"{scope} {name}: " + ("no limit" if most is None else f"at most {most} at once")
 
@@ -91,7 +91,7 @@ async def set_limit(pool: Any, query: dict[str, str]) -> Outcome:
 async def set_timeout(pool: Any, query: dict[str, str]) -> Outcome:
     """``gpuq kind-timeout``: the default seconds per attempt of a kind's jobs; none: no default."""
     kind, seconds = query.get("kind", "").strip(), params.whole(query, "seconds")
-    await queue.set_kind_timeout(pool, kind, seconds)
+    await admin.set_kind_timeout(pool, kind, seconds)
     log.info("ui.action", action="set_timeout", kind=kind, seconds=seconds)
     return HTTPStatus.OK, f"{kind}: " + ("no default timeout" if seconds is None else f"{seconds} s")
 

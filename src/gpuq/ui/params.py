@@ -1,7 +1,7 @@
 """What a dashboard request's query string means: each parameter checked, with the error a person reads.
 
 A bad value raises ValueError with that message (the page or action answers
-400 with it). Filters become ``queue.JobFilter`` and ``queue.RetryFilter``,
+400 with it). Filters become ``JobFilter`` and ``RetryFilter``,
 the types the CLI builds from its flags.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from urllib.parse import parse_qs, urlencode, urlsplit
 
-from gpuq import queue
+from gpuq.jobs import JobFilter, RetryFilter
 from gpuq.kinds import KIND_RULE, is_kind
 
 
@@ -48,8 +48,8 @@ def text_filter(params: dict[str, str], name: str) -> str | None:
     return value or None
 
 
-def job_filter(params: dict[str, str]) -> queue.JobFilter:
-    return queue.JobFilter(kind=text_filter(params, "kind"), state=params.get("state") or None,
+def job_filter(params: dict[str, str]) -> JobFilter:
+    return JobFilter(kind=text_filter(params, "kind"), state=params.get("state") or None,
                            key=text_filter(params, "key"), error=text_filter(params, "error"))
 
 
@@ -57,25 +57,25 @@ def before(params: dict[str, str]) -> int | None:
     return job_id(params["before"]) if params.get("before") else None
 
 
-def retry_filter(params: dict[str, str]) -> queue.RetryFilter:
+def retry_filter(params: dict[str, str]) -> RetryFilter:
     """One job (``id``), or the dead/cancelled jobs a list's filters match."""
     if params.get("id"):
-        return queue.RetryFilter(ids=[job_id(params["id"])])
+        return RetryFilter(ids=[job_id(params["id"])])
     which = job_filter(params)
     if which.state not in ("dead", "cancelled", "failed"):
         raise ValueError("retry by filter needs the state dead, cancelled or failed")
     state = None if which.state == "failed" else which.state
-    retry = queue.RetryFilter(kind=which.kind, error=which.error, state=state, key=which.key)
+    retry = RetryFilter(kind=which.kind, error=which.error, state=state, key=which.key)
     retry.args()
     return retry
 
 
-def filter_params(which: queue.JobFilter) -> dict[str, str]:
+def filter_params(which: JobFilter) -> dict[str, str]:
     return {k: v for k, v in (("kind", which.kind), ("state", which.state), ("key", which.key),
                               ("error", which.error)) if v}
 
 
-def filter_query(which: queue.JobFilter | queue.RetryFilter) -> str:
-    if isinstance(which, queue.RetryFilter):
-        which = queue.JobFilter(kind=which.kind, state=which.state or "failed", key=which.key, error=which.error)
+def filter_query(which: JobFilter | RetryFilter) -> str:
+    if isinstance(which, RetryFilter):
+        which = JobFilter(kind=which.kind, state=which.state or "failed", key=which.key, error=which.error)
     return urlencode(filter_params(which))

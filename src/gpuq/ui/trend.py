@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuq import metrics
+from gpuq.jobs import StatusCounts
 from gpuq.latency import JobLatency
-from gpuq.queue import StatusCounts
 
 HOUR_SECONDS = 3600.0
 

@@ -10,14 +10,15 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from gpuq import queue, schedules
+from gpuq import admin, schedules
 from gpuq.fleet import Fleet
+from gpuq.jobs import LIST_STATES, JobFilter, error_line
 
 
 async def overview(fleet: Fleet) -> dict[str, Any]:
     """Per kind: pending, leased, scheduled, paused, unplaceable, the oldest pending job's age;
     the fleet: agents, busy fraction."""
-    counts = await queue.status_counts(fleet.pool)
+    counts = await admin.status_counts(fleet.pool)
     unplaceable = await fleet.unplaceable()
     kinds = sorted({k for by_kind in counts.live.values() for k in by_kind} | set(counts.paused) | set(unplaceable))
     rows = [{
@@ -53,28 +54,28 @@ def age(seconds: float | None) -> str | None:
 # Payloads, results and progress are shown pretty-printed up to this many
 # characters: a page never carries a multi-megabyte blob.
 SHOWN_CHARS = 64_000
-STATES = ("", *queue.LIST_STATES)  # "" = any
+STATES = ("", *LIST_STATES)  # "" = any
 
 
-async def jobs(fleet: Fleet, which: queue.JobFilter, before: int | None) -> dict[str, Any]:
+async def jobs(fleet: Fleet, which: JobFilter, before: int | None) -> dict[str, Any]:
     """One page of the job list (keyset: ``before`` is the id the page starts below)."""
-    page = await queue.list_jobs(fleet.pool, which, before)
+    page = await admin.list_jobs(fleet.pool, which, before)
     # A job that failed or was lost no longer names its agent: the list shows its last attempt's.
     gone = [j["id"] for j in page.jobs if j["leased_by"] is None and j["attempts"]]
-    last = await queue.last_agents(fleet.pool, gone) if gone else {}
+    last = await admin.last_agents(fleet.pool, gone) if gone else {}
     for j in page.jobs:
         j["leased_by"] = j["leased_by"] or last.get(j["id"])
-        j["error"] = queue.error_line(j["error"])  # a traceback's last line says what happened
+        j["error"] = error_line(j["error"])  # a traceback's last line says what happened
     return {"jobs": page.jobs, "older": page.older, "searched_to": page.searched_to, "before": before,
             "filter": which, "retryable": which.state in ("dead", "cancelled", "failed")}
 
 
 async def job(fleet: Fleet, job_id: int) -> dict[str, Any] | None:
     """One job as its page shows it: every column, its attempts, the one running or done last."""
-    shown = await queue.show(fleet.pool, job_id)
+    shown = await admin.show(fleet.pool, job_id)
     if shown is None:
         return None
-    tried = await queue.attempts(fleet.pool, job_id)
+    tried = await admin.attempts(fleet.pool, job_id)
     if shown["status"] in ("leased", "done") and shown["started_at"] is not None:
         tried.append({"attempt": shown["attempts"], "agent": shown["leased_by"], "started_at": shown["started_at"],
                       "ended_at": shown["finished_at"], "error": None,
@@ -98,8 +99,8 @@ async def controls(fleet: Fleet) -> dict[str, Any]:
     """What operators set with the CLI: paused kinds, limits (with what runs under each), kinds'
     default timeouts, periodic jobs. Small tables; a limit's count reads the leased partial indexes."""
     pool = fleet.pool
-    return {"paused": await queue.paused(pool), "limits": await queue.limits(pool),
-            "timeouts": await queue.kind_timeouts(pool), "schedules": await schedules.listing(pool)}
+    return {"paused": await admin.paused(pool), "limits": await admin.limits(pool),
+            "timeouts": await admin.kind_timeouts(pool), "schedules": await schedules.listing(pool)}
 
 
 def when(at: datetime | None, seconds: bool = False) -> str:

@@ -29,8 +29,10 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from gpuq import db, logs, queue
+from gpuq import db, logs
+from gpuq.admin import LIST_WINDOW, retry_count, status_counts
 from gpuq.fleet import Fleet
+from gpuq.jobs import JobFilter
 from gpuq.loops import run_every
 from gpuq.ui import actions, auth, params, views
 from gpuq.ui.shared import Shared
@@ -93,7 +95,7 @@ class Dashboard:
     async def _overview(self) -> dict[str, Any]:
         return await self.shared.get("overview", lambda: views.overview(self.fleet))
 
-    async def _jobs(self, which: queue.JobFilter, before: int | None) -> dict[str, Any]:
+    async def _jobs(self, which: JobFilter, before: int | None) -> dict[str, Any]:
         return await self.shared.get(("jobs", which, before), lambda: views.jobs(self.fleet, which, before))
 
     async def _controls(self) -> dict[str, Any]:
@@ -105,7 +107,7 @@ class Dashboard:
     async def sample_forever(self) -> None:
         """Take the overview's samples (``trend``) until cancelled; a database outage is retried."""
         async def sample() -> None:
-            self.trend.take(await queue.status_counts(self.fleet.pool))
+            self.trend.take(await status_counts(self.fleet.pool))
 
         await run_every(self.trend.sample_seconds, sample, errors=db.RETRYABLE_ERRORS,
                         on_error=lambda exc, delay: log.warning("ui.sample_failed", error=str(exc), retry_in=delay))
@@ -202,7 +204,7 @@ class Dashboard:
         return _html(self._page("jobs.html", session, "jobs", live_params={**params.filter_params(which),
                                 **({} if before is None else {"before": str(before)})},
                                 view=await self._jobs(which, before), query=query, states=views.STATES,
-                                window=queue.LIST_WINDOW))
+                                window=LIST_WINDOW))
 
     async def _controls_page(self, session: auth.Session, args: dict[str, str]) -> Response:
         return _html(self._page("controls.html", session, "controls", controls=await self._controls()))
@@ -224,7 +226,7 @@ class Dashboard:
             return _text(HTTPStatus.FORBIDDEN, "a read-only session has no actions\n")
         try:
             which = params.retry_filter(args)
-            n = await queue.retry_count(self.fleet.pool, which)
+            n = await retry_count(self.fleet.pool, which)
         except ValueError as exc:
             return _text(HTTPStatus.BAD_REQUEST, f"{exc}\n")
         return _html(_templates.get_template("retry_confirm.html").render(n=n, query=params.filter_query(which)))
@@ -268,7 +270,7 @@ class Dashboard:
 
         async def jobs() -> str:
             return render("jobs_body.html", view=await self._jobs(which, before),
-                          query=params.filter_query(which), window=queue.LIST_WINDOW)
+                          query=params.filter_query(which), window=LIST_WINDOW)
 
         async def job() -> str:
             return render("job_body.html", job=await self._job(job_id), outcomes=OUTCOMES)

@@ -1,7 +1,7 @@
 """Wake-ups: every reason to run a lease pass goes through one object.
 
 As River's producer funnels notify, poll and freed slots into one fetch
-trigger, ``Wakeups`` collects: notifications (LISTEN on ``gpuq_jobs``), freed
+trigger, ``LeaseTrigger`` collects: notifications (LISTEN on ``gpuq_jobs``), freed
 credit, new agents, polls, a lost LISTEN connection, and the owed pass after
 the wake-up mark lapsed. ``wait()`` returns a ``Pass``: the reasons gathered
 since the last one, reset as it is taken.
@@ -23,10 +23,10 @@ from typing import Any
 
 import anyio
 
-from gpuq import db, logs, metrics, queue
+from gpuq import db, logs, metrics, wakeups
 from gpuq.config import ServerConfig
 from gpuq.dispatcher.tuning import Tuning
-from gpuq.loops import RetryBackoff, run_every
+from gpuq.loops import LoopBackoff, run_every
 from gpuq.sql import queries
 
 log = logs.get("dispatcher")
@@ -43,7 +43,7 @@ class Pass:
     polled: bool = False  # a poll: whether work keeps coming is decided again
 
 
-class Wakeups:
+class LeaseTrigger:
     def __init__(self, pool: Any, config: ServerConfig, tuning: Tuning,
                  on_kind: Callable[[str, int | None], None], on_cancel: Callable[[list[int]], None]):
         self.pool, self.config, self.tuning = pool, config, tuning
@@ -143,7 +143,7 @@ class Wakeups:
             await self._arm(now)
         if self._owe_pass:
             if self._stragglers:
-                self._stragglers = await queue.stragglers_left(self.pool, self._stragglers)
+                self._stragglers = await wakeups.stragglers_left(self.pool, self._stragglers)
             if self._stragglers:
                 return self.tuning.straggler_poll_seconds
             self._owe_pass = False
@@ -153,7 +153,7 @@ class Wakeups:
         return max(0.0, min(self._arm_at, self._polled_at + self.config.poll_seconds) - now)
 
     async def _arm(self, now: float) -> None:
-        armed = await queue.arm_wakeups(self.pool, self.tuning.wake_mark_ms)
+        armed = await wakeups.arm_wakeups(self.pool, self.tuning.wake_mark_ms)
         lapsed = armed.now_ms >= self._mark_seen  # producers may have skipped NOTIFY since our last arm
         metrics.WAKEUP_ARMS.labels(lapsed=str(lapsed).lower()).inc()
         self._mark_seen = armed.until
@@ -165,7 +165,7 @@ class Wakeups:
 
     async def listen(self) -> None:
         """Hold one LISTEN connection, reconnected with backoff, until cancelled."""
-        await run_every(0.1, self._listen_once, backoff=RetryBackoff(first=0.1), errors=db.RETRYABLE_ERRORS,
+        await run_every(0.1, self._listen_once, backoff=LoopBackoff(first=0.1), errors=db.RETRYABLE_ERRORS,
                         on_error=lambda exc, retry_in: log.warning("listen.lost", error=str(exc), retry_in=retry_in))
 
     async def _listen_once(self) -> None:
@@ -176,13 +176,13 @@ class Wakeups:
             conn = await db.connect(self.config.listen_url, direct=True)  # LISTEN needs a session
             lost = anyio.Event()
             conn.add_termination_listener(lambda _c, lost=lost: lost.set())
-            await conn.add_listener(queue.NOTIFY_CHANNEL, self.on_notify)
+            await conn.add_listener(wakeups.NOTIFY_CHANNEL, self.on_notify)
             self.listen_pid = conn.get_server_pid()
             if self.on_listen is not None:
                 await self.on_listen()  # floors of ours from before, and the dead's
             self._mark_seen, self._arm_at = 0, 0.0  # notifications were lost: a full handshake
             self.listening = True
-            log.info("listen.connected", channel=queue.NOTIFY_CHANNEL)
+            log.info("listen.connected", channel=wakeups.NOTIFY_CHANNEL)
             self.wake_all(rewind=True)  # anything inserted while we were not listening
             while not lost.is_set():
                 with anyio.move_on_after(5):
@@ -196,10 +196,10 @@ class Wakeups:
 
     def on_notify(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
         metrics.NOTIFICATIONS.inc()
-        if payload.startswith(queue.CANCEL_PREFIX):
-            self._on_cancel(queue.parse_cancel(payload))
+        if payload.startswith(wakeups.CANCEL_PREFIX):
+            self._on_cancel(wakeups.parse_cancel(payload))
             return
-        wakeup = queue.parse_wakeup(payload)
+        wakeup = wakeups.parse_wakeup(payload)
         if wakeup.every:
             self.wake_all(rewind=wakeup.rewind)
         for kind, top in wakeup.kinds.items():

@@ -1,0 +1,187 @@
+"""What one agent connection holds and may take: credit, devices, usage. No I/O, no frames.
+
+``ServerProtocol`` owns one ``Ledger`` (``proto.ledger``) and keeps it
+current from the frames it accepts; the dispatcher reads it to choose what
+to push. The rules of the account (docs/protocol.md, "Dispatch"):
+
+- credit: ``capacity`` minus the jobs held without devices, none before the
+  hello nor once the agent drains or the connection closes (``stop``);
+- version 5: ``prefetch`` more jobs without devices than ``capacity`` may be
+  held (the agent keeps them ready for its next free slot); the agent says
+  which jobs it ``started``; a held job never said started is *unstarted*:
+  it goes back without counting its attempt when the agent leaves, or at once
+  when the agent gives it back (``release``); before version 5 every pushed
+  job counts as started;
+- version 4: a job pushed with devices takes those devices instead of credit
+  (``free_devices``); version 6 with ``prefetch``: a device that runs one held
+  job may be given one more, which starts when it frees (``ready_devices``);
+- an outcome whose token matches a held job frees its credit or its devices
+  (``settle``); any other outcome frees nothing;
+- ``usage`` is each device's last reported usage (only devices the hello
+  named); ``busy`` sums the slots' reports of the last minute (version 6).
+
+``device_status`` presents the devices for /status and the dashboard.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+from gpuq.protocol.codes import PREFETCH_SINCE, SLOTS_SINCE
+from gpuq.protocol.describe import Device, DeviceUsage
+from gpuq.protocol.messages import Done, Failed, Hello
+from gpuq.protocol.slots import BusyWindow
+
+UNKNOWN_KIND = "?"  # the kind given with an outcome for a job this connection does not hold
+
+
+class Ledger:
+    """The jobs one agent connection holds, and the credit and devices it has left."""
+
+    def __init__(self) -> None:
+        self.capacity = 0  # the hello's: jobs without devices that may run at once
+        self.prefetch = 0  # version 5: jobs without devices held ready beyond ``capacity``
+        self.devices: tuple[Device, ...] = ()  # version 4: the GPUs the hello offered
+        self.held: dict[int, tuple[str, str]] = {}  # job id -> (lease token, kind)
+        self.devices_in_use: dict[int, tuple[int, ...]] = {}  # job id -> the devices it was pushed with
+        self.started: set[int] = set()  # version 5: held jobs the agent said it started
+        self.usage: dict[int, DeviceUsage] = {}  # device index -> its last reported usage
+        self.busy = BusyWindow()  # version 6: the agent's slot reports of the last minute
+        self.taking = False  # between the hello and the drain (or the close)
+        self._tracks_started = False  # version 5: else every pushed job starts at once
+        self._ready_devices = False  # version 6 with prefetch: a busy device may take one job ready
+
+    def open(self, hello: Hello) -> None:
+        """The agent's hello came: its capacity, prefetch and devices; credit from now on."""
+        self.capacity = hello.capacity
+        self.prefetch = hello.prefetch if hello.protocol >= PREFETCH_SINCE else 0
+        self.devices = hello.devices
+        self._tracks_started = hello.protocol >= PREFETCH_SINCE
+        self._ready_devices = hello.protocol >= SLOTS_SINCE and self.prefetch > 0
+        self.taking = True
+
+    def stop(self) -> None:
+        """No more jobs (the agent drains, or the connection closed); what is held stays held."""
+        self.taking = False
+
+    # -- what may be given -------------------------------------------------------
+
+    @property
+    def free(self) -> int:
+        """Jobs without devices this connection may be given now."""
+        if not self.taking:
+            return 0
+        return max(0, self.capacity + self.prefetch - (len(self.held) - len(self.devices_in_use)))
+
+    def free_devices(self, min_memory_mb: int = 0) -> list[int]:
+        """Indices of the devices no held job was given, with at least ``min_memory_mb`` (none while
+        draining)."""
+        if not self.taking:
+            return []
+        used = {i for given in self.devices_in_use.values() for i in given}
+        return [d.index for d in self.devices if d.index not in used and d.memory_mb >= min_memory_mb]
+
+    def ready_devices(self, min_memory_mb: int = 0) -> list[int]:
+        """Version 6, ``prefetch`` on: indices of the devices that run one held job and have none
+        waiting, with at least ``min_memory_mb``: each may take one job to start when it frees."""
+        if not self.taking or not self._ready_devices:
+            return []
+        given = Counter(i for devices in self.devices_in_use.values() for i in devices)
+        return [d.index for d in self.devices if given[d.index] == 1 and d.memory_mb >= min_memory_mb]
+
+    # -- what is held ------------------------------------------------------------
+
+    def holds(self, job_id: int, lease_token: str) -> bool:
+        """Whether this connection holds the job with that lease token."""
+        entry = self.held.get(job_id)
+        return entry is not None and entry[0] == lease_token
+
+    def unstarted(self) -> list[int]:
+        """Held jobs the agent never said it started (version 5; before it, every job starts at once)."""
+        if not self._tracks_started:
+            return []
+        return [i for i in self.held if i not in self.started]
+
+    def started_ids(self) -> list[int]:
+        """Held jobs that started: whose attempt counts if the connection ends now."""
+        return list(self.started) if self._tracks_started else list(self.held)
+
+    def device_jobs(self) -> tuple[dict[int, int], dict[int, int]]:
+        """Device index -> the held job running there, and -> the one waiting for it (version 6
+        prefetch; before version 5 every pushed job counts as running)."""
+        running: dict[int, int] = {}
+        waiting: dict[int, int] = {}
+        for job_id, given in self.devices_in_use.items():
+            started = job_id in self.started or not self._tracks_started
+            for i in given:
+                (running if started else waiting)[i] = job_id
+        return running, waiting
+
+    # -- changes -----------------------------------------------------------------
+
+    def hold(self, job_id: int, lease_token: str, kind: str, gpus: int = 0,
+             min_memory_mb: int = 0) -> tuple[int, ...] | None:
+        """Hold a job being pushed: it takes credit, or ``gpus`` devices of at least ``min_memory_mb``
+        (free ones, else ready ones: it starts when they free). The devices it was given; None,
+        and nothing held, when there are not enough."""
+        devices: tuple[int, ...] = ()
+        if gpus:
+            free = self.free_devices(min_memory_mb)
+            if len(free) < gpus:
+                free = self.ready_devices(min_memory_mb)  # to start when they free
+            if len(free) < gpus:
+                return None
+            devices = self.devices_in_use[job_id] = tuple(free[:gpus])
+        self.held[job_id] = (lease_token, kind)
+        return devices
+
+    def settle(self, outcomes: Iterable[Done | Failed]) -> tuple[list[tuple[Done | Failed, str]], int]:
+        """Free the credit (or devices) of each held job whose token matches: each outcome with its
+        job's kind (``UNKNOWN_KIND`` when not held here), and how many were freed. Any other outcome
+        still goes to the database (a resend after a reconnect can land): the token decides."""
+        held, items, freed = self.held, [], 0
+        for msg in outcomes:
+            entry = held.get(msg.id)
+            if entry is not None and entry[0] == msg.lease_token:
+                del held[msg.id]
+                self.devices_in_use.pop(msg.id, None)
+                self.started.discard(msg.id)
+                freed += 1
+                items.append((msg, entry[1]))
+            else:
+                items.append((msg, UNKNOWN_KIND))
+        return items, freed
+
+    def mark_started(self, ids: Iterable[int]) -> None:
+        """The agent started these jobs (version 5); another connection's ids: nothing to track."""
+        held = self.held
+        self.started.update(i for i in ids if i in held)
+
+    def release(self, ids: Iterable[int]) -> tuple[tuple[int, str], ...]:
+        """Give back held jobs the agent never started, as ``(id, lease_token)``; a started one stays
+        (its outcome will come)."""
+        back = tuple((i, self.held.pop(i)[0]) for i in ids if i in self.held and i not in self.started)
+        for i, _ in back:
+            self.devices_in_use.pop(i, None)
+        return back
+
+    def record_usage(self, usage: Iterable[DeviceUsage]) -> None:
+        """The devices' latest usage; indices the hello did not name are ignored."""
+        known = {d.index for d in self.devices}
+        self.usage.update((u.index, u) for u in usage if u.index in known)
+
+
+def device_status(ledger: Ledger) -> list[dict[str, Any]]:
+    """Each device the agent offers, as /status and the dashboard show it: its memory, its last
+    reported usage, the held job running there (``job``) and the one waiting for it (``next``)."""
+    running, waiting = ledger.device_jobs()
+    out = []
+    for d in ledger.devices:
+        usage = ledger.usage.get(d.index)
+        out.append({"index": d.index, "name": d.name, "memory_mb": d.memory_mb,
+                    "memory_used_mb": usage.memory_used_mb if usage else None,
+                    "utilization": usage.utilization if usage else None,
+                    "job": running.get(d.index), "next": waiting.get(d.index)})
+    return out

@@ -1,0 +1,228 @@
+"""Parsing frames into messages, strictly: every field checked. No encoding, no state.
+
+JSON text frames over one websocket (docs/protocol.md). Parsing is strict: an
+unknown type, a missing or extra field, a value of the wrong type or out of
+range is a ``ProtocolError`` carrying the error code the server sends back.
+A ``fatal`` error (a binary frame, anything wrong with a ``hello``) means the
+connection must close; what each side then does is ``server_side`` and
+``agent_side``'s rule. ``parse_client`` reads an agent's frames (the server
+side), ``parse_server`` the server's (the agent side).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from gpuq.kinds import KIND_RULE, is_kind
+from gpuq.protocol import messages as m
+from gpuq.protocol.codes import (
+    MAX_CANCEL_IDS,
+    MAX_CAPACITY,
+    MAX_ERROR_TEXT,
+    MAX_KINDS,
+    MAX_PREFETCH,
+    MAX_RESULTS,
+    PLACEMENT_SINCE,
+    PREFETCH_SINCE,
+    SUPPORTED_VERSIONS,
+    CloseCode,
+    ErrorCode,
+    ProtocolError,
+)
+from gpuq.protocol.describe import check_labels, check_models, devices_from, usage_from
+from gpuq.protocol.fields import (
+    BAD_MESSAGE,
+    check_progress,
+    contains_nul,
+    device_indices,
+    exact_fields,
+    is_int,
+    job_id,
+    job_ids,
+    load,
+    queued,
+    timeout,
+    token,
+)
+from gpuq.protocol.slots import slots_from
+
+__all__ = ["AGENT_NAME", "parse_client", "parse_server"]
+
+AGENT_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
+
+
+# --------------------------------------------------------------------------
+# Frames from the agent
+# --------------------------------------------------------------------------
+
+
+def parse_client(frame: str | bytes, max_size: int) -> m.ClientMessage:
+    """Parse one frame from an agent, or raise ``ProtocolError``."""
+    if isinstance(frame, bytes):
+        raise ProtocolError(BAD_MESSAGE, "binary frames are not supported; send JSON text", fatal=True,
+                            close=CloseCode.UNSUPPORTED_DATA)
+    if len(frame) > max_size:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"frame of {len(frame)} bytes is over the limit of {max_size}")
+    obj = load(frame)
+    kind = obj.get("type")
+    fields = _CLIENT_FIELDS.get(kind) if isinstance(kind, str) else None
+    if fields is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r}; expected one of "
+                            f"{', '.join(sorted(_CLIENT_FIELDS))}", fatal=kind == "hello")
+    if kind == "hello" and (version := _hello_version(obj)) >= PLACEMENT_SINCE:
+        fields = _HELLO_5_FIELDS if version >= PREFETCH_SINCE else _HELLO_4_FIELDS
+    elif kind == "heartbeat":
+        fields = fields | ({"devices"} & obj.keys()) | ({"slots"} & obj.keys())
+    elif kind == "results" and "started" in obj:
+        fields = _RESULTS_5_FIELDS
+    exact_fields(obj, fields, fatal=kind == "hello")
+    if kind == "hello":
+        return _hello(obj)
+    if kind in ("done", "failed"):
+        return _outcome(obj, "\\u0000" in frame)
+    if kind == "results":
+        items = obj["results"]
+        if not isinstance(items, list) or not 1 <= len(items) <= MAX_RESULTS:
+            raise ProtocolError(BAD_MESSAGE, f"results.results must be a list of 1-{MAX_RESULTS} "
+                                "done or failed messages")
+        maybe_nul = "\\u0000" in frame
+        return m.Results(tuple(_outcome(item, maybe_nul) for item in items),
+                         job_ids(obj["started"], "results.started") if "started" in obj else ())
+    if kind in ("started", "release"):
+        return (m.Started if kind == "started" else m.Release)(job_ids(obj["ids"], f"{kind}.ids"))
+    if kind == "heartbeat":
+        return m.Heartbeat(job_ids(obj["ids"], "heartbeat.ids"), usage_from(obj["devices"]) if "devices" in obj else None,
+                           slots_from(obj["slots"]) if "slots" in obj else None)
+    if kind == "update":
+        return m.Update(None if obj["labels"] is None else check_labels(obj["labels"], "update.labels"),
+                        None if obj["models"] is None else check_models(obj["models"], "update.models"))
+    if kind == "progress":
+        updates = obj["updates"]
+        if not isinstance(updates, list) or not 1 <= len(updates) <= MAX_RESULTS:
+            raise ProtocolError(BAD_MESSAGE, f"progress.updates must be a list of 1-{MAX_RESULTS} updates")
+        return m.Progress(tuple(_progress_update(u) for u in updates))
+    return m.Drain()
+
+
+_OUTCOME_FIELDS = {
+    "done": {"type", "id", "lease_token", "result"},
+    "failed": {"type", "id", "lease_token", "error", "retryable"},
+}
+_CLIENT_FIELDS = {
+    "hello": {"type", "agent", "kinds", "capacity", "protocol"},
+    **_OUTCOME_FIELDS,
+    "results": {"type", "results"},
+    "heartbeat": {"type", "ids"},
+    "drain": {"type"},
+    "progress": {"type", "updates"},
+    "update": {"type", "labels", "models"},
+    "started": {"type", "ids"},
+    "release": {"type", "ids"},
+}
+_HELLO_4_FIELDS = _CLIENT_FIELDS["hello"] | {"devices", "labels", "models"}
+_HELLO_5_FIELDS = _HELLO_4_FIELDS | {"prefetch"}
+_RESULTS_5_FIELDS = _CLIENT_FIELDS["results"] | {"started"}
+_PROGRESS_FIELDS = {"id", "lease_token", "fraction", "message", "data"}
+
+
+def _progress_update(obj: Any) -> m.ProgressUpdate:
+    if not isinstance(obj, dict) or obj.keys() != _PROGRESS_FIELDS:
+        raise ProtocolError(BAD_MESSAGE, "each progress update must be an object with exactly "
+                            f"{', '.join(sorted(_PROGRESS_FIELDS))}")
+    try:
+        fraction, message, _ = check_progress(obj["fraction"], obj["message"], obj["data"])
+    except ValueError as exc:
+        raise ProtocolError(BAD_MESSAGE, str(exc)) from None
+    return m.ProgressUpdate(job_id(obj["id"]), token(obj["lease_token"]), fraction, message, obj["data"])
+
+
+def _outcome(obj: Any, maybe_nul: bool) -> m.Done | m.Failed:
+    """A done or failed object, alone or inside ``results``."""
+    kind = obj.get("type") if isinstance(obj, dict) else None
+    fields = _OUTCOME_FIELDS.get(kind) if isinstance(kind, str) else None
+    if fields is None:
+        raise ProtocolError(BAD_MESSAGE, "each outcome must be a done or failed message")
+    if obj.keys() != fields:
+        exact_fields(obj, fields, fatal=False)
+    if kind == "done":
+        # PostgreSQL's jsonb cannot store U+0000: refuse it here, not in a batch write.
+        if maybe_nul and contains_nul(obj["result"]):
+            raise ProtocolError(BAD_MESSAGE, "done.result must not contain the character U+0000")
+        return m.Done(job_id(obj["id"]), token(obj["lease_token"]), obj["result"])
+    error = obj["error"]
+    if not isinstance(error, str):
+        raise ProtocolError(BAD_MESSAGE, "failed.error must be a string")
+    if not isinstance(obj["retryable"], bool):
+        raise ProtocolError(BAD_MESSAGE, "failed.retryable must be true or false")
+    return m.Failed(job_id(obj["id"]), token(obj["lease_token"]),
+                    error[:MAX_ERROR_TEXT].replace("\x00", "\ufffd"), obj["retryable"])
+
+def _hello_version(obj: dict[str, Any]) -> int:
+    """The hello's protocol version, checked first: its fields depend on it."""
+    version = obj.get("protocol")
+    if version not in SUPPORTED_VERSIONS or not is_int(version):
+        raise ProtocolError(BAD_MESSAGE, f"protocol {str(version)[:40]!r} is not supported; this server speaks "
+                            f"{', '.join(map(str, SUPPORTED_VERSIONS))}", fatal=True,
+                            close=CloseCode.UNSUPPORTED_VERSION)
+    return int(version)
+
+
+def _hello(obj: dict[str, Any]) -> m.Hello:
+    version = obj["protocol"]
+    agent, kinds, capacity = obj["agent"], obj["kinds"], obj["capacity"]
+    if not isinstance(agent, str) or not AGENT_NAME.fullmatch(agent):
+        raise ProtocolError(BAD_MESSAGE, "hello.agent must be 1-64 characters of A-Z a-z 0-9 _ . : @ -",
+                            fatal=True)
+    if (not isinstance(kinds, list) or not 1 <= len(kinds) <= MAX_KINDS
+            or not all(is_kind(k) for k in kinds)):
+        raise ProtocolError(BAD_MESSAGE, f"hello.kinds must be a list of 1-{MAX_KINDS} job kinds "
+                            f"({KIND_RULE})", fatal=True)
+    if not is_int(capacity) or not 1 <= capacity <= MAX_CAPACITY:
+        raise ProtocolError(BAD_MESSAGE, f"hello.capacity must be an integer 1-{MAX_CAPACITY}", fatal=True)
+    if version < PLACEMENT_SINCE:
+        return m.Hello(agent, tuple(dict.fromkeys(kinds)), capacity, version)
+    prefetch = obj.get("prefetch", 0)
+    if not is_int(prefetch) or not 0 <= prefetch <= MAX_PREFETCH:
+        raise ProtocolError(BAD_MESSAGE, f"hello.prefetch must be an integer 0-{MAX_PREFETCH}", fatal=True)
+    return m.Hello(agent, tuple(dict.fromkeys(kinds)), capacity, version, devices_from(obj["devices"]),
+                   check_labels(obj["labels"], "hello.labels", fatal=True),
+                   check_models(obj["models"], "hello.models", fatal=True), prefetch)
+
+
+
+# --------------------------------------------------------------------------
+# Frames from the server
+# --------------------------------------------------------------------------
+
+
+def parse_server(frame: str | bytes) -> m.ServerMessage:
+    """Parse one frame from the server (the agent side); ``ProtocolError`` if malformed."""
+    if isinstance(frame, bytes):
+        raise ProtocolError(BAD_MESSAGE, "binary frame from the server")
+    obj = load(frame)
+    kind = obj.get("type")
+    try:
+        if kind == "welcome":
+            return m.Welcome(str(obj["agent_id"]), float(obj["lease_seconds"]),
+                             float(obj["heartbeat_seconds"]), int(obj["max_payload"]), int(obj["protocol"]))
+        if kind == "jobs":
+            return m.Jobs(tuple(m.JobMessage(job_id(j["id"]), token(j["lease_token"]), str(j["kind"]),
+                                             j["payload"], int(j["attempt"]), timeout(j.get("timeout")),
+                                             device_indices(j.get("devices")), queued(j.get("queued_ms")))
+                                for j in obj["jobs"]))
+        if kind == "ack":
+            return m.Ack(tuple(job_id(i) for i in obj["accepted"]), tuple(job_id(i) for i in obj["rejected"]))
+        if kind == "drain":
+            return m.ServerDrain(float(obj["deadline_seconds"]))
+        if kind == "error":
+            return m.Error(str(obj["code"]), str(obj["message"]))
+        if kind == "cancel":
+            ids = obj["ids"]
+            if not isinstance(ids, list) or len(ids) > MAX_CANCEL_IDS:
+                raise ValueError(f"cancel.ids must be a list of at most {MAX_CANCEL_IDS} job ids")
+            return m.Cancel(tuple(job_id(i) for i in ids))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(BAD_MESSAGE, f"malformed {kind} message from the server: {exc}") from None
+    raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r} from the server")
+
