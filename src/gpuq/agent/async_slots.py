@@ -4,12 +4,13 @@ under each job's timeout, cancelled when the server cancels the job."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
-
-import anyio.abc
+from typing import TYPE_CHECKING, Any
 
 from gpuq.agent.handlers import Job, PermanentError, summary
 from gpuq.agent.slots import Slots
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
 
 
 class AsyncSlots(Slots):
@@ -36,7 +37,7 @@ class AsyncSlots(Slots):
             job = self.next_in_slot(job, None)
         self._wake()  # the last outcome
 
-    def _start_slots(self, tg: anyio.abc.TaskGroup, jobs: list[Job]) -> None:
+    def _start_slots(self, tg: TaskGroup, jobs: list[Job]) -> None:
         tg.start_soon(self.run_slots, jobs)
 
     def cancel(self, ids: tuple[int, ...]) -> None:

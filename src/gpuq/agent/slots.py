@@ -6,12 +6,14 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Callable
-
-import anyio.abc
+from typing import TYPE_CHECKING
 
 from gpuq import protocol
 from gpuq.agent.handlers import Handler, Job
 from gpuq.protocol.agent_side import AgentProtocol
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
 
 
 class Slots(abc.ABC):
@@ -24,10 +26,10 @@ class Slots(abc.ABC):
         self.handler = handler
         self._wake = wake
         self._report_progress = report_progress
-        self._session_tasks: anyio.abc.TaskGroup | None = None  # the connection's: jobs run in it
+        self._session_tasks: TaskGroup | None = None  # the connection's: jobs run in it
         self.loop: asyncio.AbstractEventLoop | None = None  # the agent's, once a job came
 
-    def session_started(self, tg: anyio.abc.TaskGroup) -> None:
+    def session_started(self, tg: TaskGroup) -> None:
         """A connection's task group: the jobs it pushes run in it, and end with it."""
         self._session_tasks = tg
 
@@ -66,7 +68,7 @@ class Slots(abc.ABC):
         return jobs[0] if jobs else None
 
     @abc.abstractmethod
-    def _start_slots(self, tg: anyio.abc.TaskGroup, jobs: list[Job]) -> None:
+    def _start_slots(self, tg: TaskGroup, jobs: list[Job]) -> None:
         """Start a slot for each of ``jobs`` in ``tg`` (from the slot that freed them)."""
 
     def event_loop(self) -> asyncio.AbstractEventLoop:

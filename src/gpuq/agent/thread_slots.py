@@ -6,14 +6,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
-import anyio.abc
 
 from gpuq import protocol
 from gpuq.agent.handlers import Job, PermanentError, summary
 from gpuq.agent.slots import Slots
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
 
 
 class ThreadSlots(Slots):
@@ -21,7 +23,7 @@ class ThreadSlots(Slots):
         super().__init__(*args, **kwargs)
         self._session_over = threading.Event()  # set as the session ends: slots stop taking jobs
 
-    def session_started(self, tg: anyio.abc.TaskGroup) -> None:
+    def session_started(self, tg: TaskGroup) -> None:
         super().session_started(tg)
         self._session_over = threading.Event()
         tg.start_soon(_set_when_cancelled, self._session_over)
@@ -34,7 +36,7 @@ class ThreadSlots(Slots):
     def cancel(self, ids: tuple[int, ...]) -> None:
         """Nothing to interrupt: a thread cannot be; its handler finds ``job.cancelled`` true."""
 
-    def _start_slots(self, tg: anyio.abc.TaskGroup, jobs: list[Job]) -> None:
+    def _start_slots(self, tg: TaskGroup, jobs: list[Job]) -> None:
         self.event_loop().call_soon_threadsafe(tg.start_soon, self.run_slots, jobs)
 
     def _slot(self, job: Job) -> None:
