@@ -60,7 +60,6 @@ class Agent:
         self.url, self.token = url, token
         self.kinds = tuple(kinds)
         self.capacity = capacity
-        self.handler = handler
         self.name = name or _default_name()
         self.ssl = ssl_context
         self.reconnect_min, self.reconnect_max = reconnect_min, reconnect_max
@@ -80,6 +79,15 @@ class Agent:
         self._progress_due = asyncio.Event()  # a handler reported progress since the last send
         slots_class = AsyncSlots if is_async else ThreadSlots
         self._slots: Slots = slots_class(self.protocol, handler, self._ready.set, self._report_progress)
+
+    @property
+    def handler(self) -> Handler:
+        """The handler the slots run (replaceable, by one of the same kind: async or sync)."""
+        return self._slots.handler
+
+    @handler.setter
+    def handler(self, handler: Handler) -> None:
+        self._slots.handler = handler
 
     @property
     def completed(self) -> int:
