@@ -24,7 +24,8 @@ import pytest
 import yaml
 
 from gpuq import config as gpuq_config
-from gpuq.cli import build_parser, load_handler
+from gpuq.agent.handlers import load_handler
+from gpuq.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

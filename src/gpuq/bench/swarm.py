@@ -12,7 +12,7 @@ import sys
 import anyio
 
 from gpuq.agent import Agent
-from gpuq.cli import load_handler
+from gpuq.agent.handlers import load_handler
 from gpuq.runtime import run_service
 from gpuq.signals import stop_on_signal
 

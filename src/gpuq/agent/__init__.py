@@ -1,0 +1,44 @@
+"""The agent library: run a handler for jobs pushed by a gpuq server.
+
+    import asyncio
+    from gpuq.agent import Agent
+
+    async def handle(job):                  # job.id, job.kind, job.payload, job.attempt
+        return {"echo": job.payload}        # any JSON value: stored as the job's result
+
+    agent = Agent("ws://127.0.0.1:8765/agent", token="s3cret", kinds=["embed"],
+                  capacity=4, handler=handle)
+    asyncio.run(agent.run())                # until agent.stop() or SIGTERM (see run_until_signal)
+
+A handler that raises fails the job (retried with backoff); raise
+``PermanentError`` for a failure that must not be retried. Plain (sync)
+functions run in a worker thread, so they never block the connection.
+
+Cancelled jobs (``gpuq cancel``): an async handler is cancelled (it sees
+``asyncio.CancelledError``; a process it started with ``run_process`` gets
+SIGTERM, then SIGKILL after a grace period); a sync handler finds
+``job.cancelled`` true and should return early. A job with a timeout
+(``job.timeout`` seconds) is stopped the same way when it passes, and fails
+with ``timeout`` (retried while attempts remain).
+
+Progress: ``job.progress(0.4, "epoch 2/5", {"loss": 0.31})`` from any handler,
+sync or async, as often as it likes; the agent sends the latest of each job at
+most twice a second and the server stores it at most once a second
+(``gpuq show``, ``/jobs/ID``, ``gpuq.wait(..., on_progress=...)``).
+Outcomes go to the server in ``results`` frames, as many as are ready at
+once; they are kept until the server acknowledges them (after its commit)
+and sent again after a reconnect; fencing makes a resent result harmless.
+
+Modules: ``connection`` (the websocket loop, ``Agent``), ``slots``,
+``async_slots``, ``thread_slots`` (running pushed jobs in slots), ``handlers``
+(the handler's contract, ``load_handler``), ``process`` (``run_process``).
+``import gpuq.agent`` loads nothing of the database side: agents run on GPU
+boxes that need only websockets.
+"""
+
+from gpuq.agent.connection import DEFAULT_PREFETCH, PROGRESS_SEND_SECONDS, Agent, AuthError
+from gpuq.agent.handlers import Handler, HandlerError, Job, PermanentError, load_handler
+from gpuq.agent.process import run_process
+
+__all__ = ["DEFAULT_PREFETCH", "PROGRESS_SEND_SECONDS", "Agent", "AuthError", "Handler", "HandlerError", "Job",
+           "PermanentError", "load_handler", "run_process"]

@@ -1,0 +1,70 @@
+"""An async handler's slots: each slot is one asyncio task that runs its jobs one after another,
+under each job's timeout, cancelled when the server cancels the job."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from gpuq.agent.handlers import Job, PermanentError, summary
+from gpuq.agent.slots import Slots
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
+
+
+class AsyncSlots(Slots):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._tasks: dict[int, asyncio.Task[None]] = {}  # job id -> its slot's task
+
+    async def run_slot(self, job: Job | None) -> None:
+        """Run ``job``, then at once each ready job the protocol gives this slot, all in this one
+        task (a ``cancel`` cancels the task while that job's handler runs, and ``_run_job`` takes
+        it back)."""
+        task = asyncio.current_task()
+        while job is not None:
+            self.protocol.job_started(job)
+            if task is not None:
+                self._tasks[job.id] = task
+            # The sender runs at the handler's first await: the outcome of the job before and this
+            # start go out in one frame while the handler already runs.
+            self._wake()
+            try:
+                await self._run_job(job)
+            finally:
+                self._tasks.pop(job.id, None)
+            job = self.next_in_slot(job, None)
+        self._wake()  # the last outcome
+
+    def _start_slots(self, tg: TaskGroup, jobs: list[Job]) -> None:
+        tg.start_soon(self.run_slots, jobs)
+
+    def cancel(self, ids: tuple[int, ...]) -> None:
+        for job_id in ids:
+            if (task := self._tasks.get(job_id)) is not None:
+                task.cancel()
+
+    async def _run_job(self, job: Job) -> None:
+        """Run the handler under the job's timeout and record its outcome."""
+        limit = asyncio.timeout(job.timeout)  # None: no limit
+        try:
+            async with limit:
+                result = await self.handler(job)
+        except TimeoutError as exc:
+            if limit.expired():
+                self.protocol.job_failed(job, "timeout", retryable=True)
+            else:  # the handler's own
+                self.protocol.job_failed(job, summary(exc), retryable=True)
+        except asyncio.CancelledError:
+            if not job.cancelled:
+                raise  # the agent is stopping, not the job
+            if (task := asyncio.current_task()) is not None:
+                task.uncancel()  # the slot's task goes on with its next job
+            self.protocol.job_failed(job, "cancelled", retryable=False)
+        except PermanentError as exc:
+            self.protocol.job_failed(job, summary(exc), retryable=False)
+        except Exception as exc:  # the handler's failure is the job's, not ours
+            self.protocol.job_failed(job, summary(exc), retryable=True)
+        else:
+            self.protocol.job_done(job, result)

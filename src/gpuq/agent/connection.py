@@ -1,0 +1,248 @@
+"""The connection loop: one websocket to the server, reconnected with backoff, pumping frames
+through ``AgentProtocol``; the reader hands pushed jobs to the slots (``async_slots``,
+``thread_slots``), the senders send outcomes, progress and heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import socket
+import ssl
+from collections.abc import Iterable
+from typing import Any
+
+import anyio
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI
+
+from gpuq import gpus, logs, protocol
+from gpuq.agent.async_slots import AsyncSlots
+from gpuq.agent.handlers import Handler
+from gpuq.agent.slots import Slots
+from gpuq.agent.thread_slots import ThreadSlots
+from gpuq.loops import LoopBackoff, run_every
+from gpuq.protocol import Ack, Cancel, Error, Hello, Jobs, ServerDrain, Welcome
+from gpuq.protocol.agent_side import AgentProtocol, ThreadSafeAgentProtocol
+from gpuq.signals import stop_on_signal
+
+log = logs.get("agent")
+
+PROGRESS_SEND_SECONDS = 0.5  # progress updates go out at most this often (the latest of each job)
+# Jobs without devices held ready beyond capacity, so a freed slot starts the next at once
+# (docs/design.md, "Keeping slots busy"): one hides the round trip for most jobs.
+DEFAULT_PREFETCH = 1
+
+
+class AuthError(RuntimeError):
+    """The server refused our token (HTTP 401): retrying will not help."""
+
+
+class Agent:
+    """The I/O around ``AgentProtocol``: one websocket, reconnected with backoff, and the handlers."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        kinds: Iterable[str],
+        capacity: int,
+        handler: Handler,
+        name: str | None = None,
+        *,
+        devices: Iterable[protocol.Device] | None = None,
+        labels: Iterable[str] = (),
+        models: Iterable[str] = (),
+        prefetch: int = DEFAULT_PREFETCH,
+        ssl_context: ssl.SSLContext | None = None,
+        reconnect_min: float = 0.2,
+        reconnect_max: float = 30.0,
+    ):
+        self.url, self.token = url, token
+        self.kinds = tuple(kinds)
+        self.capacity = capacity
+        self.name = name or _default_name()
+        self.ssl = ssl_context
+        self.reconnect_min, self.reconnect_max = reconnect_min, reconnect_max
+        # asyncio events (not anyio's) so an Agent can be built before the loop runs.
+        self.connected = asyncio.Event()  # set on the first welcome (handy for tests and demos)
+        # The GPUs jobs may get: given, or what NVML sees (none without an NVIDIA driver).
+        self.devices = gpus.detect() if devices is None else tuple(devices)
+        self._usage = gpus.Usage(self.devices)
+        # Sync handlers' slots run in worker threads and call the protocol from there: it locks.
+        is_async = inspect.iscoroutinefunction(handler)
+        protocol_class = AgentProtocol if is_async else ThreadSafeAgentProtocol
+        self.protocol = protocol_class(Hello(self.name, self.kinds, capacity, devices=self.devices,
+                                             labels=tuple(labels), models=tuple(models),
+                                             prefetch=prefetch))  # checks the hello
+        self._ready = asyncio.Event()  # the protocol has frames to send
+        self._stop_event = asyncio.Event()
+        self._progress_due = asyncio.Event()  # a handler reported progress since the last send
+        slots_class = AsyncSlots if is_async else ThreadSlots
+        self._slots: Slots = slots_class(self.protocol, handler, self._ready.set, self._report_progress)
+
+    @property
+    def handler(self) -> Handler:
+        """The handler the slots run (replaceable, by one of the same kind: async or sync)."""
+        return self._slots.handler
+
+    @handler.setter
+    def handler(self, handler: Handler) -> None:
+        self._slots.handler = handler
+
+    @property
+    def completed(self) -> int:
+        """Outcomes the server accepted (acknowledged after its commit)."""
+        return self.protocol.completed
+
+    def set_models(self, models: Iterable[str]) -> None:
+        """The models this agent now holds warm (after loading weights): placement prefers it for
+        jobs that name one. Told to the server at once, without reconnecting."""
+        self.protocol.update(models=models)
+        self._ready.set()
+
+    def set_labels(self, labels: Iterable[str]) -> None:
+        """Replace this agent's labels (what jobs may require), without reconnecting."""
+        self.protocol.update(labels=labels)
+        self._ready.set()
+
+    def stop(self) -> None:
+        """Finish running jobs, report them, then return from ``run()``."""
+        self.protocol.drain()
+        self._ready.set()
+        self._stop_event.set()
+
+    async def run(self) -> None:
+        """Connect, run jobs, reconnect with backoff; return once stopped and everything is acked."""
+        await run_every(self.reconnect_min, self._connection,
+                        backoff=LoopBackoff(self.reconnect_min, self.reconnect_max),
+                        errors=(OSError, ConnectionClosed, TimeoutError, InvalidStatus, protocol.ProtocolError),
+                        on_error=self._connection_lost, until=self._done, wake=self._stop_event)
+
+    def _done(self) -> bool:
+        return self.protocol.draining and not self.protocol.unacked
+
+    async def _connection(self) -> None:
+        try:
+            await self._session()
+        finally:
+            self.protocol.connection_lost()
+
+    def _connection_lost(self, exc: BaseException, retry_in: float) -> None:
+        log.warning("agent.connection_lost", agent=self.name, error=str(exc) or type(exc).__name__,
+                    retry_in=retry_in)
+
+    async def _session(self) -> None:
+        try:
+            ws = await connect(self.url, additional_headers={"Authorization": f"Bearer {self.token}"},
+                               max_size=None, ssl=self.ssl, open_timeout=10, compression=None)
+        except InvalidStatus as exc:
+            if exc.response.status_code == 401:
+                raise AuthError(f"the server at {self.url} refused the token (HTTP 401)") from None
+            raise
+        except InvalidURI as exc:
+            raise AuthError(f"bad server URL {self.url!r}: {exc}") from None
+        async with ws:
+            self.protocol.connection_made()
+            await self._send(ws)
+            welcome = self.protocol.receive(await ws.recv())
+            assert isinstance(welcome, Welcome)  # the protocol refuses anything else first
+            log.info("agent.connected", agent=welcome.agent_id, url=self.url, kinds=list(self.kinds),
+                     capacity=self.capacity, event_loop=logs.event_loop_name())
+            self.connected.set()
+            self._ready.set()  # outcomes the last connection did not see acked go first
+            try:
+                async with anyio.create_task_group() as tg:
+                    self._slots.session_started(tg)
+                    tg.start_soon(self._sender, ws)
+                    tg.start_soon(self._heartbeats, welcome.heartbeat_seconds)
+                    tg.start_soon(self._progress_sender)
+                    await self._reader(ws, tg)
+                    tg.cancel_scope.cancel()
+            except BaseExceptionGroup as group:
+                # Report the cause (a dropped connection, usually), not the group.
+                raise _first_leaf(group) from None
+
+    async def _reader(self, ws: ClientConnection, tg: Any) -> None:
+        if self.protocol.finished:
+            await ws.close()
+            return
+        async for frame in ws:
+            msg = self.protocol.receive(frame)
+            if isinstance(msg, Jobs):
+                tg.start_soon(self._slots.run_jobs, list(msg.jobs))
+            elif isinstance(msg, Ack) and msg.rejected:
+                log.warning("agent.results_rejected", agent=self.name, job_ids=list(msg.rejected))
+            elif isinstance(msg, Cancel):
+                self._cancel(msg.ids)
+            elif isinstance(msg, ServerDrain):
+                log.info("agent.server_draining", agent=self.name, deadline_seconds=msg.deadline_seconds)
+            elif isinstance(msg, Error):
+                log.warning("agent.server_error", agent=self.name, code=msg.code, message=msg.message)
+            if self.protocol.finished:
+                await ws.close()
+
+    async def _sender(self, ws: ClientConnection) -> None:
+        """Send what the protocol queued, in as few frames as fit.
+
+        Jobs pushed together finish together: by the time this task runs, the
+        other handlers of the batch have usually queued theirs too.
+        """
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            await self._send(ws)  # if the connection drops, the protocol keeps them for the next
+            if self.protocol.finished:
+                await ws.close()
+
+    async def _send(self, ws: ClientConnection) -> None:
+        for frame in self.protocol.frames_to_send():
+            await ws.send(frame)
+
+    def _cancel(self, ids: tuple[int, ...]) -> None:
+        """The server cancelled these running jobs (the protocol marked them ``cancelled``)."""
+        self._slots.cancel(ids)
+        if ids:
+            log.info("agent.jobs_cancelled", agent=self.name, job_ids=list(ids))
+
+    def _report_progress(self, job_id: int, item: str) -> None:
+        """``job.progress()``, from the loop or a handler's thread: keep it; wake the sender once."""
+        loop = self._slots.loop
+        if self.protocol.progress(job_id, item) and loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._progress_due.set)
+            except RuntimeError:  # the loop has closed: the agent is gone, and so is the job
+                pass
+
+    async def _progress_sender(self) -> None:
+        """Send the latest progress of each job, at most every ``PROGRESS_SEND_SECONDS``."""
+        while True:
+            await self._progress_due.wait()
+            self._progress_due.clear()
+            self.protocol.send_progress()
+            self._ready.set()
+            await anyio.sleep(PROGRESS_SEND_SECONDS)
+
+    async def _heartbeats(self, every: float) -> None:
+        while True:
+            await anyio.sleep(every)
+            self.protocol.heartbeat(self._usage.read())
+            self._ready.set()
+
+    async def run_until_signal(self) -> None:
+        """``run()``, with SIGTERM/SIGINT turned into a graceful ``stop()``."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stop_on_signal, self.stop)
+            await self.run()
+            tg.cancel_scope.cancel()
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _default_name() -> str:
+    host = "".join(c if c.isalnum() or c in "_.-" else "-" for c in socket.gethostname())
+    return (host or "agent")[:64]

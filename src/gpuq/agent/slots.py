@@ -1,0 +1,76 @@
+"""What both kinds of slot share: a push's jobs go into slots (those with a slot free start now,
+the others wait ready), and a slot that frees takes the next ready job at once."""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from gpuq import protocol
+from gpuq.agent.handlers import Handler, Job
+from gpuq.protocol.agent_side import AgentProtocol
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
+
+
+class Slots(abc.ABC):
+    """An agent's slots across its sessions: they run the handler and record each outcome in the
+    protocol; ``wake`` tells the connection it has frames to send."""
+
+    def __init__(self, agent_protocol: AgentProtocol, handler: Handler, wake: Callable[[], None],
+                 report_progress: Callable[[int, str], None]):
+        self.protocol = agent_protocol
+        self.handler = handler
+        self._wake = wake
+        self._report_progress = report_progress
+        self._session_tasks: TaskGroup | None = None  # the connection's: jobs run in it
+        self.loop: asyncio.AbstractEventLoop | None = None  # the agent's, once a job came
+
+    def session_started(self, tg: TaskGroup) -> None:
+        """A connection's task group: the jobs it pushes run in it, and end with it."""
+        self._session_tasks = tg
+
+    async def run_jobs(self, jobs: list[Job]) -> None:
+        """The jobs of one push: those with a slot free start now, each in its slot's loop; the
+        others wait ready (prefetched) for the next slot to free (``AgentProtocol.take``).
+
+        One anyio task per push with plain asyncio tasks under it (gather
+        cancels them with it): an anyio task per job cost a third of the
+        agent's CPU with short jobs.
+        """
+        self.loop = asyncio.get_running_loop()
+        for job in jobs:
+            protocol.attach_reporter(job, self._report_progress)
+        await self.run_slots(self.protocol.take(jobs))
+
+    async def run_slots(self, jobs: list[Job]) -> None:
+        await asyncio.gather(*(self.run_slot(job) for job in jobs))
+
+    @abc.abstractmethod
+    async def run_slot(self, job: Job | None) -> None:
+        """Run ``job``, then at once each ready job the protocol gives this slot."""
+
+    @abc.abstractmethod
+    def cancel(self, ids: tuple[int, ...]) -> None:
+        """The server cancelled these running jobs (the protocol marked them ``cancelled``):
+        interrupt their handlers where a handler can be interrupted."""
+
+    def next_in_slot(self, ended: Job, ran: tuple[float, float] | None) -> Job | None:
+        """The job this slot runs next, after ``ended``. A job with several devices may free them
+        for several ready jobs: the others start in the session's task group."""
+        jobs = self.protocol.next_jobs(ended, ran)
+        if len(jobs) > 1:
+            assert self._session_tasks is not None  # jobs come only within a session
+            self._start_slots(self._session_tasks, jobs[1:])
+        return jobs[0] if jobs else None
+
+    @abc.abstractmethod
+    def _start_slots(self, tg: TaskGroup, jobs: list[Job]) -> None:
+        """Start a slot for each of ``jobs`` in ``tg`` (from the slot that freed them)."""
+
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        assert self.loop is not None  # set before any job runs
+        return self.loop

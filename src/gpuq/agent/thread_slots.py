@@ -1,0 +1,100 @@
+"""A sync handler's slots: each slot is one worker thread that runs its jobs one after another;
+a timeout or a cancel sets ``job.cancelled`` (a thread cannot be interrupted)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from gpuq import protocol
+from gpuq.agent.handlers import Job, PermanentError, summary
+from gpuq.agent.slots import Slots
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
+
+
+class ThreadSlots(Slots):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._session_over = threading.Event()  # set as the session ends: slots stop taking jobs
+
+    def session_started(self, tg: TaskGroup) -> None:
+        super().session_started(tg)
+        self._session_over = threading.Event()
+        tg.start_soon(_set_when_cancelled, self._session_over)
+
+    async def run_slot(self, job: Job | None) -> None:
+        if job is not None:
+            await anyio.to_thread.run_sync(self._slot, job)
+        self._wake()
+
+    def cancel(self, ids: tuple[int, ...]) -> None:
+        """Nothing to interrupt: a thread cannot be; its handler finds ``job.cancelled`` true."""
+
+    def _start_slots(self, tg: TaskGroup, jobs: list[Job]) -> None:
+        self.event_loop().call_soon_threadsafe(tg.start_soon, self.run_slots, jobs)
+
+    def _slot(self, job: Job) -> None:
+        """A slot, all in one worker thread: each job runs, is reported, and the next ready one
+        starts here at once. The event loop is only woken to send (the outcome and the next start
+        in one frame), never in the way between two jobs: a hop through it cost each job two
+        thread wake-ups. Ends when the session does, after the running handler returns."""
+        wake = functools.partial(self.event_loop().call_soon_threadsafe, self._wake)
+        over = self._session_over  # this session's: after a reconnect the next one has its own slots
+        next_job: Job | None = job
+        while next_job is not None and not over.is_set():
+            self.protocol.job_started(next_job)
+            wake()
+            ran = self._run_job(next_job)
+            if over.is_set():
+                break  # the connection is gone: its ready jobs went back to the server
+            next_job = self.next_in_slot(next_job, ran)
+        wake()  # the last outcome
+
+    def _run_job(self, job: Job) -> tuple[float, float]:
+        """Call the handler (in the slot's thread) and record its outcome; its (start, end)."""
+        expired: list[bool] = []
+        timers: list[asyncio.TimerHandle] = []
+        loop, timeout = self.event_loop(), job.timeout
+        if timeout is not None:  # a thread cannot be interrupted: the flag asks it to stop
+            loop.call_soon_threadsafe(lambda: timers.append(loop.call_later(timeout, _expire, job, expired)))
+        start = self.protocol.clock()
+        try:
+            result = self.handler(job)
+        except PermanentError as exc:
+            self.protocol.job_failed(job, summary(exc), retryable=False)
+        except Exception as exc:  # the handler's failure is the job's, not ours
+            self.protocol.job_failed(job, summary(exc), retryable=True)
+        else:
+            if expired:
+                self.protocol.job_failed(job, "timeout", retryable=True)
+            else:
+                self.protocol.job_done(job, result)
+        finally:
+            end = self.protocol.clock()
+            if timeout is not None:
+                loop.call_soon_threadsafe(_cancel_all, timers)
+        return start, end
+
+
+def _expire(job: Job, expired: list[bool]) -> None:
+    """A sync handler's timeout: it sees ``job.cancelled``; whatever it returns, the attempt failed."""
+    expired.append(True)
+    protocol.mark_cancelled(job)
+
+
+def _cancel_all(timers: list[asyncio.TimerHandle]) -> None:
+    for t in timers:
+        t.cancel()
+
+
+async def _set_when_cancelled(flag: threading.Event) -> None:
+    try:
+        await anyio.sleep_forever()
+    finally:
+        flag.set()

@@ -1,0 +1,48 @@
+"""``gpuq agent``: run an agent with a handler named ``module:function``, configured from flags
+and the environment. The agent library itself is ``gpuq.agent``."""
+
+from __future__ import annotations
+
+import argparse
+
+from gpuq import config
+from gpuq.cli.errors import CLIError
+from gpuq.runtime import run_service
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    a = sub.add_parser("agent", help="run an agent that executes jobs with a handler")
+    config.add_flags(a, "agent")
+    a.add_argument("--ca-file", help="CA bundle to verify a wss:// server")
+    a.set_defaults(func=cmd_agent)
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from gpuq.agent import Agent, load_handler
+    from gpuq.gpus import parse_devices
+    from gpuq.protocol import ProtocolError
+
+    token, kinds = config.get("token", flag=args.token), config.get("kinds", flag=args.kinds)
+    if not token:
+        raise CLIError("no token: set GPUQ_TOKEN or --token")
+    if not kinds:
+        raise CLIError("no kinds: set GPUQ_KINDS or --kinds (comma-separated)")
+    handler = load_handler(config.get("handler", flag=args.handler))
+    ctx = None
+    if args.ca_file:
+        import ssl
+
+        ctx = ssl.create_default_context(cafile=args.ca_file)
+    try:
+        devices = parse_devices(config.get("devices", flag=args.devices))
+    except ValueError as exc:
+        raise CLIError(f"--devices: {exc}") from None
+    try:
+        agent = Agent(config.get("url", flag=args.url), token, kinds, config.get("capacity", flag=args.capacity),
+                      handler, config.get("agent_name", flag=args.agent_name), ssl_context=ctx, devices=devices,
+                      labels=config.get("labels", flag=args.labels), models=config.get("models", flag=args.models),
+                      prefetch=config.get("prefetch", flag=args.prefetch))
+    except ProtocolError as exc:
+        raise CLIError(exc.message) from None
+    run_service(agent.run_until_signal)
+    return 0

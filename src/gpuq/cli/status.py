@@ -1,0 +1,83 @@
+"""``gpuq status``: live job counts per kind and state, and with ``--server`` the fleet a
+server's ``/status`` reports, as a table or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from gpuq import config
+from gpuq.cli.database import on_db
+from gpuq.cli.errors import CLIError
+from gpuq.cli.output import table
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    t = sub.add_parser("status", help="live job counts per kind and state (never scans history)")
+    config.add_flags(t, "status")
+    t.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    t.add_argument("--server", help="also show connected agents, from a server's /status (http://host:port)")
+    t.set_defaults(func=cmd_status)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from gpuq import admin
+
+    body = on_db(args, admin.status_counts).as_dict()
+    if args.server:
+        body["server"] = _fetch_server_status(args.server)
+    if args.json:
+        print(json.dumps(body, indent=2, default=str))
+    else:
+        print(render_status(body))
+    return 0
+
+
+def _fetch_server_status(base: str) -> dict[str, Any]:
+    import urllib.request
+
+    url = base.rstrip("/") + "/status"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - operator-given http(s) URL
+            return dict(json.load(resp))
+    except (OSError, ValueError) as exc:
+        raise CLIError(f"cannot read {url}: {exc}") from None
+
+
+def render_status(body: dict[str, Any]) -> str:
+    live = body["live"]
+    kinds = sorted({k for by_kind in live.values() for k in by_kind})
+    rows: list[tuple[str, ...]] = [("kind", "pending", "leased", "scheduled")]
+    rows += [(k, *(str(live[s].get(k, 0)) for s in ("pending", "leased", "scheduled"))) for k in kinds]
+    rows.append(("total", *(str(body["totals"][s]) for s in ("pending", "leased", "scheduled"))))
+    lines = table(rows, right={1, 2, 3})
+    for kind, shapes in sorted(body.get("server", {}).get("unplaceable", {}).items()):
+        for u in shapes:
+            lines.append(f"unplaceable: {kind}: {u['pending']} pending ({u['reason']})")
+    for kind, p in sorted(body.get("paused", {}).items()):
+        lines.append(f"paused: {kind} (by {p['by']} since {p['since']})")
+    oldest = body["oldest_pending_seconds"]
+    lines.append(f"oldest pending: {oldest:.1f} s" if oldest is not None else "oldest pending: -")
+    lines.append(f"history (done+dead, estimate): {body['history_estimate']}")
+    if "server" in body:
+        lines += _render_agents(body["server"])
+    return "\n".join(lines)
+
+
+def _render_agents(server: dict[str, Any]) -> list[str]:
+    """The agents a server's ``/status`` lists: each with its labels, devices and jobs' progress."""
+    lines = [f"agents connected: {server.get('agents_connected', 0)}"]
+    for a in server.get("agents", []):
+        lines.append(f"  {a['agent']}  kinds={','.join(a['kinds'])}  inflight={a['inflight']}/{a['capacity']}"
+                     f"  protocol={a.get('protocol', '?')}")
+        if a.get("labels") or a.get("models"):
+            lines.append(f"    labels: {', '.join(a.get('labels', [])) or '-'}"
+                         f"  models: {', '.join(a.get('models', [])) or '-'}")
+        for d in a.get("devices", []):
+            usage = "" if d["utilization"] is None else \
+                f"  util {d['utilization']}%  used {d['memory_used_mb']} MiB"
+            lines.append(f"    gpu {d['index']}: {d['name']} {d['memory_mb']} MiB{usage}")
+        for job_id, p in sorted(a.get("progress", {}).items(), key=lambda item: int(item[0])):
+            lines.append(f"    job {job_id}: {p['fraction']:.0%}" + (f" {p['message']}" if p["message"] else ""))
+    return lines
