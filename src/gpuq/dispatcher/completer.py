@@ -17,10 +17,10 @@ from typing import Any, Protocol
 import anyio
 import asyncpg
 
-from gpuq import db, logs, metrics, queue
+from gpuq import logs, metrics, queue
+from gpuq.dispatcher.writer import Writer
 from gpuq.jobs import FailOutcome, JobBackoff
 from gpuq.latency import JobLatency
-from gpuq.loops import run_every
 from gpuq.protocol import Done, Failed
 
 log = logs.get("completer")
@@ -34,11 +34,19 @@ class Session(Protocol):
     def send_ack(self, accepted: tuple[int, ...], rejected: tuple[int, ...]) -> None: ...
 
 
-class Completer:
-    """Batches agents' outcomes into few statements; acks each agent after commit."""
+class Completer(Writer):
+    """Batches agents' outcomes into few statements; acks each agent after commit.
+
+    Nothing is dropped on a failure: the outcomes stay queued and the agents
+    un-acked until the database takes them.
+    """
+
+    component = "completer"
+    failed_event = "results.flush_failed"
 
     def __init__(self, pool: Any, backoff: JobBackoff, on_written: Callable[[], None] | None = None,
                  latency: JobLatency | None = None, on_released: Callable[[Session], None] | None = None):
+        super().__init__()
         self.pool = pool
         self.backoff = backoff
         self.on_written = on_written  # after each commit of outcomes (limits may have room again)
@@ -49,7 +57,6 @@ class Completer:
         self.failed: list[tuple[Session, Failed, str]] = []
         self.orphans: list[int] = []  # leased for an agent that left before the push
         self.unstarted: list[tuple[Session, tuple[tuple[int, str], ...]]] = []  # given back, (id, token)
-        self._wake = anyio.Event()
         self._lock = anyio.Lock()
 
     def submit(self, session: Session, outcomes: Iterable[tuple[Done | Failed, str]]) -> None:
@@ -59,32 +66,21 @@ class Completer:
                 self.done.append((session, msg, kind))
             else:
                 self.failed.append((session, msg, kind))
-        self._wake.set()
+        self.wake()
 
     def release(self, ids: Iterable[int]) -> None:
         """Give back leases that no agent will run (their agent left before the push)."""
         self.orphans.extend(ids)
-        self._wake.set()
+        self.wake()
 
     def release_unstarted(self, session: Session, jobs: tuple[tuple[int, str], ...]) -> None:
         """The agent gave back prefetched jobs it will not start: pending again, their attempt not
         counted (if the database is away, they wait here; their leases may expire first)."""
         self.unstarted.append((session, jobs))
-        self._wake.set()
+        self.wake()
 
-    async def run(self) -> None:
-        # Nothing is dropped on a failure: the outcomes stay queued and the
-        # agents un-acked until the database takes them.
-        await run_every(0, self._wait_and_flush, errors=db.RETRYABLE_ERRORS, on_error=self._failed)
-
-    async def _wait_and_flush(self) -> None:
-        await self._wake.wait()
-        self._wake = anyio.Event()
+    async def write(self) -> None:
         await self.flush()
-
-    def _failed(self, exc: BaseException, retry_in: float) -> None:
-        log.warning("results.flush_failed", error=str(exc), retry_in=retry_in)
-        self._wake.set()
 
     async def flush(self) -> None:
         async with self._lock:

@@ -14,28 +14,27 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import anyio
-
-from gpuq import db, logs, metrics, queue
-from gpuq.loops import run_every
+from gpuq import metrics, queue
+from gpuq.dispatcher.writer import Writer
 from gpuq.protocol import ProgressUpdate
 
-log = logs.get("progress")
 
+class ProgressWriter(Writer):
+    component = "progress"
+    failed_event = "progress.write_failed"
 
-class ProgressWriter:
     def __init__(self, pool: Any, write_seconds: float):
+        super().__init__()
         self.pool = pool
-        self.write_seconds = write_seconds  # a job's progress is written at most this often
+        self.interval = write_seconds  # a job's progress is written at most this often
         self.latest: dict[int, ProgressUpdate] = {}  # running jobs of this server's agents that reported
         self._unwritten: dict[int, ProgressUpdate] = {}
-        self._wake = anyio.Event()
 
     def submit(self, updates: Iterable[ProgressUpdate]) -> None:
         """Updates of jobs the reporting connection holds (``ServerProtocol`` checked the tokens)."""
         for u in updates:
             self.latest[u.id] = self._unwritten[u.id] = u
-        self._wake.set()
+        self.wake()
 
     def forget(self, ids: Iterable[int]) -> None:
         """These jobs ended or left this server: their progress is no longer ours to write."""
@@ -48,14 +47,6 @@ class ProgressWriter:
         latest = self.latest
         return {i: {"fraction": u.fraction, "message": u.message} for i in ids if (u := latest.get(i))}
 
-    async def run(self) -> None:
-        await run_every(self.write_seconds, self._write_when_woken, errors=db.RETRYABLE_ERRORS, on_error=self._failed)
-
-    async def _write_when_woken(self) -> None:
-        await self._wake.wait()
-        self._wake = anyio.Event()
-        await self.write()
-
     async def write(self) -> None:
         batch, self._unwritten = self._unwritten, {}
         try:
@@ -66,7 +57,3 @@ class ProgressWriter:
                     self._unwritten.setdefault(i, u)
             raise
         metrics.PROGRESS_WRITTEN.inc(len(written))
-
-    def _failed(self, exc: BaseException, retry_in: float) -> None:
-        log.warning("progress.write_failed", error=str(exc), retry_in=retry_in)
-        self._wake.set()
