@@ -72,10 +72,6 @@ class LeaseTrigger:
         self._next.rewind = self._next.rewind or rewind
         self._wake.set()
 
-    def kinds_announced(self, kinds: set[str]) -> None:
-        self._next.kinds |= kinds
-        self._wake.set()
-
     def recheck(self, kinds: set[str]) -> None:
         """Look at these kinds on the next pass, whatever wakes it."""
         self._next.kinds |= kinds
