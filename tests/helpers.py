@@ -77,9 +77,21 @@ async def dispatcher_idle(timeout: float = 10.0) -> None:
     await wait_for(lambda: wakeup_arms() >= start + 2, timeout, interval=0.01)
 
 
-async def no_agents_connected(timeout: float = 10.0) -> None:
-    """Wait until the server of this process has no agent session left."""
-    await wait_for(lambda: metric("gpuq_agents_connected") == 0, timeout, interval=0.01)
+async def agents_connected(srv: Any) -> list[dict[str, Any]]:
+    """The agents a running server's /status lists."""
+    import json
+
+    from gpuq.harness import http_get
+
+    return list(json.loads((await http_get(f"{srv.http}/status"))[2])["agents"])
+
+
+async def no_agents_connected(srv: Any, timeout: float = 10.0) -> None:
+    """Wait until a running server has no agent session left."""
+    async def none() -> bool:
+        return not await agents_connected(srv)
+
+    await wait_for(none, timeout, interval=0.02)
 
 
 async def count(db: Any, status: str) -> int:
