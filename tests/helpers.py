@@ -134,7 +134,7 @@ def sync_until_cancelled(seen: list, returns: Any = None) -> Any:
     def handle(job: Any) -> Any:
         deadline = time.monotonic() + 30
         while not job.cancelled and time.monotonic() < deadline:
-            time.sleep(0.01)
+            time.sleep(0.01)  # not a settle wait: the handler's work, checking job.cancelled between steps
         seen.append(job.cancelled)
         return returns
 
@@ -147,7 +147,7 @@ def async_until_cancelled(stopped: Any) -> Any:
 
     async def handle(job: Any) -> None:
         try:
-            await asyncio.sleep(60)
+            await asyncio.sleep(60)  # not a settle wait: the handler's work, until it is cancelled
         except asyncio.CancelledError:
             stopped.set()
             raise
