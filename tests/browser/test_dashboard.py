@@ -7,6 +7,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from gpuq.harness import running_server
 from tests.browser.conftest import screenshot
+from tests.helpers import dispatcher_idle
 
 READ, ADMIN = "read-secret-1", "admin-secret-1"
 UI = {"ui_tokens": frozenset({READ}), "ui_admin_tokens": frozenset({ADMIN})}
@@ -75,7 +76,7 @@ async def test_jobs_enqueued_then_completed_move_through_the_overview(chrome, ds
     pending = "tr[data-kind='render'] td[data-col='pending']"
 
     async def render(job):
-        await anyio.sleep(0.02)
+        await anyio.sleep(0.02)  # not a settle wait: the backlog drains over a few samples, for the chart
 
     async with running_server(dsn, ui_sample_seconds=0.25, **UI) as srv:
         await browse(log_in, chrome, srv.http, READ)
@@ -100,7 +101,7 @@ async def test_pause_a_kind_and_see_nothing_of_it_leased_then_resume(chrome, dsn
         await browse(until, chrome, lambda d: d.find_element(By.CSS_SELECTOR, f"{row} td[data-col='state']")
                      .text.startswith("paused"))
         await srv.agent(["batch"], 4, _noop, "batcher")
-        await anyio.sleep(1.5)  # an agent is there and the poll has come: nothing of the kind is leased
+        await dispatcher_idle()  # an agent with credit is there and the dispatcher went idle: nothing leased
         assert await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'pending'") == 5
         await browse(screenshot, chrome, "overview-paused")
         await browse(until, chrome, lambda d: click(d, f"{row} button.action"))
