@@ -83,9 +83,13 @@ async def conn(server_dsn: str) -> AsyncIterator[asyncpg.Connection]:
     tx = c.transaction()
     await tx.start()
     try:
-        # What committed tests left: the jobs and every table a job or an admin command writes.
-        await c.execute("TRUNCATE gpuq.jobs, gpuq.attempts, gpuq.shapes, gpuq.limits, gpuq.paused_kinds, "
-                        "gpuq.kind_timeouts, gpuq.schedules RESTART IDENTITY")
+        # What committed tests left: every table of the schema but the migrations' own record,
+        # read from the catalog so that a table a new migration adds is emptied too.
+        tables = await c.fetch(
+            "SELECT format('%I.%I', schemaname, tablename) AS name FROM pg_tables "
+            "WHERE schemaname = 'gpuq' AND tablename <> 'schema_migrations' ORDER BY tablename"
+        )
+        await c.execute(f"TRUNCATE {', '.join(t['name'] for t in tables)} RESTART IDENTITY")
         yield c
     finally:
         await tx.rollback()

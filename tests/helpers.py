@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import anyio
@@ -45,10 +46,52 @@ async def expire_leases(conn: Any, ids: list[int] | None = None) -> None:
 
 
 async def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> None:
-    """Poll an async predicate until it is true; fail the test on timeout."""
+    """Poll a predicate (plain or async) until it is true; fail the test on timeout."""
     with anyio.fail_after(timeout):
-        while not await predicate():
-            await anyio.sleep(interval)
+        while True:
+            ok = predicate()
+            if inspect.isawaitable(ok):
+                ok = await ok
+            if ok:
+                return
+            await anyio.sleep(interval)  # the poll's interval, not a settle wait
+
+
+def metric(name: str, **labels: str) -> float:
+    """A sample of this process's gpuq metrics (0 when it has none yet)."""
+    from gpuq.metrics import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def wakeup_arms() -> float:
+    return metric("gpuq_wakeup_arms_total", lapsed="true") + metric("gpuq_wakeup_arms_total", lapsed="false")
+
+
+async def dispatcher_idle(timeout: float = 10.0) -> None:
+    """Wait until a dispatcher of this process has gone idle since the call: with free credit
+    it arms the wake-up mark only before it waits, when its last pass found nothing to start
+    (and again every WAKE_MARK_MS / 2 while idle); two arms mean it has waited in between.
+    What it would wrongly lease without a new wake-up it has leased by then."""
+    start = wakeup_arms()
+    await wait_for(lambda: wakeup_arms() >= start + 2, timeout, interval=0.01)
+
+
+async def agents_connected(srv: Any) -> list[dict[str, Any]]:
+    """The agents a running server's /status lists."""
+    import json
+
+    from gpuq.harness import http_get
+
+    return list(json.loads((await http_get(f"{srv.http}/status"))[2])["agents"])
+
+
+async def no_agents_connected(srv: Any, timeout: float = 10.0) -> None:
+    """Wait until a running server has no agent session left."""
+    async def none() -> bool:
+        return not await agents_connected(srv)
+
+    await wait_for(none, timeout, interval=0.02)
 
 
 async def count(db: Any, status: str) -> int:
@@ -91,7 +134,7 @@ def sync_until_cancelled(seen: list, returns: Any = None) -> Any:
     def handle(job: Any) -> Any:
         deadline = time.monotonic() + 30
         while not job.cancelled and time.monotonic() < deadline:
-            time.sleep(0.01)
+            time.sleep(0.01)  # not a settle wait: the handler's work, checking job.cancelled between steps
         seen.append(job.cancelled)
         return returns
 
@@ -104,7 +147,7 @@ def async_until_cancelled(stopped: Any) -> Any:
 
     async def handle(job: Any) -> None:
         try:
-            await asyncio.sleep(60)
+            await asyncio.sleep(60)  # not a settle wait: the handler's work, until it is cancelled
         except asyncio.CancelledError:
             stopped.set()
             raise

@@ -317,7 +317,7 @@ class ServerConfig:
 
 
 def markdown_table() -> str:
-    """The README's configuration table (tests/test_docs.py keeps the README equal to it)."""
+    """The README's configuration table (tests/unit/test_config.py keeps the README equal to it)."""
     rows = ["| flag | environment | default | used by | meaning |", "|---|---|---|---|---|"]
     for s in SETTINGS:
         shown = f"`{s.shown_default}`" if s.shown is None else s.shown

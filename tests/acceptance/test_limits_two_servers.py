@@ -41,7 +41,7 @@ async def test_kind_and_key_limits_are_never_exceeded_by_two_servers(dsn):
                 break
             for fleet in fleets:
                 fleet.check()
-            await anyio.sleep(0.1)
+            await anyio.sleep(0.1)  # not a settle wait: the poll's interval, checking the processes between reads
         rows = await conn.fetch("SELECT kind, concurrency_key, leased_by, status::text, "
                                 "(result->>'start')::float8 AS s, (result->>'end')::float8 AS e FROM gpuq.jobs")
     finally:

@@ -13,7 +13,7 @@ from gpuq.harness import running_server
 from gpuq.jobs import Shape
 from gpuq.producer import enqueue
 from gpuq.protocol import Device
-from tests.helpers import wait_for
+from tests.helpers import dispatcher_idle, wait_for
 
 LABELS = ["gpu=h100", "region=eu"]
 
@@ -53,7 +53,7 @@ class Fleet:
             if given_ & self.in_use[name]:
                 self.violations.append(f"job {job.id} shares devices {given_ & self.in_use[name]} on {name}")
             self.in_use[name] |= given_
-            await anyio.sleep(0.02)
+            await anyio.sleep(0.02)  # not a settle wait: the job holds its devices a while, so overlaps show
             self.in_use[name] -= given_
             self.ran.add(job.id)
         return run
@@ -90,7 +90,7 @@ async def _scenario(dsn: str, fleet_spec: list[dict], job_specs: list[dict]) -> 
                 return fleet.ran >= placeable
 
             await wait_for(placeable_done, timeout=20)
-            await anyio.sleep(0.1)  # anything wrongly placed would run by now
+            await dispatcher_idle()  # idle with every agent free: anything wrongly placed has run by now
         assert fleet.violations == []
         assert fleet.ran == placeable
         pending = {r[0] for r in await conn.fetch("SELECT id FROM gpuq.jobs WHERE status = 'pending'")}

@@ -8,6 +8,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from gpuq.harness import running_server
 from gpuq.jobs import NewJob
 from tests.browser.conftest import screenshot
+from tests.helpers import dispatcher_idle
 
 READ, ADMIN = "read-secret-1", "admin-secret-1"
 UI = {"ui_tokens": frozenset({READ}), "ui_admin_tokens": frozenset({ADMIN})}
@@ -43,6 +44,46 @@ async def _noop(job):
     return None
 
 
+def samples(driver) -> int:
+    """The samples the overview's charts show."""
+    try:
+        return int(driver.find_element(By.ID, "charts").get_attribute("data-samples"))
+    except StaleElementReferenceException:  # a live update replaced it meanwhile
+        return -1
+
+
+def count_live_updates(driver) -> None:
+    """From now on every page this browser loads counts its live updates (htmx ws messages) in
+    window.liveUpdates, from before its first one: the socket sends one as it opens, then changes."""
+    driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": (
+        "window.liveUpdates = 0;"
+        "document.addEventListener('htmx:wsAfterMessage', () => { window.liveUpdates += 1; });")})
+
+
+def live_update_came(driver) -> None:
+    until(driver, lambda d: d.execute_script("return window.liveUpdates") > 0)
+
+
+# A traceback from code at a neutral path, five frames deep, so the one the agent shows (its last
+# five frames) names no checkout's files: the job page's screenshot goes into docs/img.
+FINETUNE = compile("""
+def train(job):
+    return epoch(job)
+
+def epoch(job):
+    return step(job)
+
+def step(job):
+    return forward(job)
+
+def forward(job):
+    return allocate(20 * 2**30)
+
+def allocate(n):
+    raise RuntimeError(f"CUDA out of memory: tried to allocate {n / 2**30:.2f} GiB")
+""", "/srv/gpuq/finetune.py", "exec")
+
+
 async def test_log_in_with_a_wrong_token_then_a_right_one(chrome, dsn):
     def steps(base: str) -> None:
         chrome.get(f"{base}/ui/login")
@@ -76,7 +117,7 @@ async def test_jobs_enqueued_then_completed_move_through_the_overview(chrome, ds
     pending = "tr[data-kind='render'] td[data-col='pending']"
 
     async def render(job):
-        await anyio.sleep(0.02)
+        await anyio.sleep(0.02)  # not a settle wait: the backlog drains over a few samples, for the chart
 
     async with running_server(dsn, ui_sample_seconds=0.25, **UI) as srv:
         await browse(log_in, chrome, srv.http, READ)
@@ -86,7 +127,8 @@ async def test_jobs_enqueued_then_completed_move_through_the_overview(chrome, ds
         await browse(screenshot, chrome, "overview-backlog")
         await srv.agent(["render"], 8, render, "renderer")
         await browse(until, chrome, lambda d: "render" not in d.find_element(By.ID, "kinds").text, 20)
-        await anyio.sleep(1)  # a few idle samples after the drain
+        drained_at = await browse(samples, chrome)
+        await browse(until, chrome, lambda d: samples(d) >= drained_at + 4)  # a few idle samples after the drain
         charted = await browse(lambda: chrome.find_element(By.ID, "charts").text)
         assert "queue depth" in charted and "pending 30" in charted  # the embed jobs still wait
         await browse(screenshot, chrome, "overview")
@@ -101,7 +143,7 @@ async def test_pause_a_kind_and_see_nothing_of_it_leased_then_resume(chrome, dsn
         await browse(until, chrome, lambda d: d.find_element(By.CSS_SELECTOR, f"{row} td[data-col='state']")
                      .text.startswith("paused"))
         await srv.agent(["batch"], 4, _noop, "batcher")
-        await anyio.sleep(1.5)  # an agent is there and the poll has come: nothing of the kind is leased
+        await dispatcher_idle()  # an agent with credit is there and the dispatcher went idle: nothing leased
         assert await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'pending'") == 5
         await browse(screenshot, chrome, "overview-paused")
         await browse(until, chrome, lambda d: click(d, f"{row} button.action"))
@@ -116,7 +158,9 @@ async def test_open_a_failed_job_see_why_and_retry_it(chrome, dsn, pool):
     async def flaky(job):  # out of memory the first time only
         tries.append(job.id)
         if len(tries) == 1:
-            raise RuntimeError("CUDA out of memory: tried to allocate 20.00 GiB")
+            code: dict = {}
+            exec(FINETUNE, code)  # noqa: S102 - the test's own source above
+            code["train"](job)
         return {"loss": 0.25}
 
     async with running_server(dsn, **UI) as srv:
@@ -130,7 +174,7 @@ async def test_open_a_failed_job_see_why_and_retry_it(chrome, dsn, pool):
         await browse(screenshot, chrome, "jobs-dead")
         await browse(until, chrome, lambda d: click(d, link))
         text = await browse(until, chrome, lambda d: d.find_element(By.ID, "job-error").text)
-        assert "CUDA out of memory" in text
+        assert "CUDA out of memory: tried to allocate 20.00 GiB" in text and "/srv/gpuq/finetune.py" in text
         attempts = await browse(lambda: chrome.find_element(By.ID, "attempts").text)
         assert "gpu-box-3#" in attempts and "failed, dead" in attempts
         assert "ft-42" in await browse(lambda: chrome.find_element(By.ID, "job").text)
@@ -158,10 +202,11 @@ async def test_hostile_payloads_and_errors_show_as_text(chrome, dsn, pool):
         for j, h in zip(sorted(got.jobs, key=lambda j: j.id), HOSTILE, strict=True):
             await queue.fail(pool, j.id, j.lease_token, f"parse error near {h}")
         await browse(log_in, chrome, srv.http, READ)
+        await browse(count_live_updates, chrome)
         pages = {"/ui/jobs?kind=ingest": HOSTILE, **{f"/ui/jobs/{i}": [h] for i, h in zip(ids, HOSTILE, strict=True)}}
         for page, hostile in pages.items():
             await browse(chrome.get, srv.http + page)
-            await anyio.sleep(1.2)  # a live update has come too
+            await browse(live_update_came, chrome)  # what a live update shows is checked too
             shown = await browse(lambda: chrome.find_element(By.TAG_NAME, "main").text)
             for h in hostile:
                 assert f"parse error near {h}" in shown, (page, h)  # the exact text, not markup

@@ -8,7 +8,14 @@ from websockets.asyncio.client import connect
 
 from gpuq.agent import Agent, AuthError, PermanentError
 from gpuq.harness import TOKEN, next_of, raw_agent, running_server
-from tests.helpers import status_of, wait_count, wait_for, wait_status
+from tests.helpers import (
+    agents_connected,
+    no_agents_connected,
+    status_of,
+    wait_count,
+    wait_for,
+    wait_status,
+)
 
 
 async def test_killed_agent_returns_its_job_at_once_and_a_late_done_is_fenced(dsn, pool):
@@ -56,9 +63,11 @@ async def test_handler_errors_retry_and_permanent_errors_go_dead(dsn, pool):
             "INSERT INTO gpuq.jobs (kind, payload) VALUES ('embed', '{\"mode\": \"flaky\"}') RETURNING id")
         perm = await pool.fetchval(
             "INSERT INTO gpuq.jobs (kind, payload) VALUES ('embed', '{\"mode\": \"permanent\"}') RETURNING id")
-        with anyio.fail_after(10):
-            while await status_of(pool, perm) != "dead" or await status_of(pool, flaky) != "scheduled":
-                await anyio.sleep(0.02)
+
+        async def settled() -> bool:
+            return await status_of(pool, perm) == "dead" and await status_of(pool, flaky) == "scheduled"
+
+        await wait_for(settled)
         error = await pool.fetchval("SELECT last_error FROM gpuq.jobs WHERE id = $1", flaky)
         assert "RuntimeError: flaky GPU" in error
         await pool.execute("UPDATE gpuq.jobs SET run_at = now() WHERE id = $1", flaky)  # skip the backoff
@@ -118,7 +127,7 @@ async def test_agent_stop_finishes_running_jobs_first(dsn, pool):
 
     async def handle(job):
         started.set()
-        await anyio.sleep(0.5)
+        await anyio.sleep(0.5)  # not a settle wait: the job still runs when the agent is told to stop
         return "ok"
 
     async with running_server(dsn) as srv:
@@ -129,7 +138,7 @@ async def test_agent_stop_finishes_running_jobs_first(dsn, pool):
         agent.stop()
         await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('embed')")  # not for a stopping agent
         await wait_status(pool, jid, "done", timeout=5)
-        await anyio.sleep(0.3)
+        await no_agents_connected(srv)  # the stopped agent has gone: nothing can reach it any more
         assert await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'pending'") == 1
         assert agent.completed == 1
 
@@ -145,7 +154,7 @@ async def test_bad_token_is_refused_and_no_job_is_leased(dsn, pool):
         bad = Agent(srv.url, "wrong", ["embed"], 4, lambda job: None, "intruder")
         with pytest.raises(AuthError, match="401"):
             await bad.run()
-        await anyio.sleep(0.3)
+        assert await agents_connected(srv) == []  # refused before it was an agent: nothing to lease for
         assert await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status <> 'pending'") == 0
 
 
@@ -202,10 +211,10 @@ async def test_jobs_of_one_push_run_concurrently_and_report_as_each_ends():
     async def handle(job):
         if job.id == 1:
             await started_3.wait()
-            await anyio.sleep(0.2)
+            await anyio.sleep(0.2)  # not a settle wait: job 1 works on after 3 started, so 2 ends first
         elif job.id == 3:
             started_3.set()
-            await anyio.sleep(0.2)
+            await anyio.sleep(0.2)  # likewise: job 3 works on
         return job.id
 
     frames = await _against_scripted_peer(3, handle)

@@ -9,7 +9,13 @@ import anyio
 import gpuq
 from gpuq.agent import run_process
 from gpuq.harness import running_server
-from tests.helpers import async_until_cancelled, status_of, sync_until_cancelled, wait_status
+from tests.helpers import (
+    async_until_cancelled,
+    status_of,
+    sync_until_cancelled,
+    wait_for,
+    wait_status,
+)
 
 
 async def started(pool, job_id: int) -> None:
@@ -23,7 +29,7 @@ async def test_an_async_handler_is_cancelled_and_its_slot_serves_the_next_job(ds
         if job.payload.get("long"):
             began.set()
             try:
-                await asyncio.sleep(60)
+                await asyncio.sleep(60)  # not a settle wait: the long job, until it is cancelled
             except asyncio.CancelledError:
                 stopped.set()
                 raise
@@ -51,9 +57,7 @@ async def test_a_sync_handler_sees_job_cancelled(dsn, pool):
         job_id = await gpuq.enqueue(pool, "train", {})
         await started(pool, job_id)
         await gpuq.cancel(pool, job_id)
-        with anyio.fail_after(5):
-            while not seen:
-                await anyio.sleep(0.01)
+        await wait_for(lambda: seen, timeout=5)
         assert seen == [True] and await status_of(pool, job_id) == "cancelled"  # its result was fenced out
 
 
@@ -66,14 +70,10 @@ async def test_a_process_started_with_run_process_is_terminated(dsn, pool, tmp_p
     async with running_server(dsn, poll_seconds=60) as srv:
         await srv.agent(["train"], 1, handle)
         job_id = await gpuq.enqueue(pool, "train", {})
-        with anyio.fail_after(10):
-            while not pid_file.exists() or not pid_file.read_text().strip():
-                await anyio.sleep(0.02)
+        await wait_for(lambda: pid_file.exists() and pid_file.read_text().strip())
         pid = int(pid_file.read_text())
         await gpuq.cancel(pool, job_id)
-        with anyio.fail_after(5):
-            while _alive(pid):
-                await anyio.sleep(0.02)
+        await wait_for(lambda: not _alive(pid), timeout=5)
 
 
 async def test_a_lease_lost_without_a_notification_is_cancelled_at_the_next_heartbeat(dsn, pool):

@@ -1,22 +1,30 @@
 """Dispatcher resilience: lost notifications, several dispatchers on one database."""
 
 import json
+from contextlib import asynccontextmanager
 
 import anyio
 
 from gpuq.harness import http_get, next_of, raw_agent, running_server
-from tests.helpers import sets, wait_count
+from tests.helpers import dispatcher_idle, sets, wait_count
+
+
+@asynccontextmanager
+async def job_inserted_silently(dsn, pool, poll_seconds):
+    """A server with one idle 'embed' agent, then an 'embed' job inserted with no trigger, so
+    no notification for sure; yields the event its handler sets."""
+    got = anyio.Event()
+    async with running_server(dsn, poll_seconds=poll_seconds) as srv:
+        await srv.agent(["embed"], 1, sets(got))
+        await dispatcher_idle()  # its first pass found nothing: it waits for a wake-up
+        await pool.execute("ALTER TABLE gpuq.jobs DISABLE TRIGGER USER")
+        await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('embed')")
+        yield got
 
 
 async def test_jobs_inserted_while_not_listening_are_delivered_after_reconnect(dsn, pool):
-    got = anyio.Event()
-    async with running_server(dsn, poll_seconds=30) as srv:
-        await srv.agent(["embed"], 1, sets(got))
-        await anyio.sleep(0.3)
-        # The notification is lost for sure: no trigger fires for this insert.
-        await pool.execute("ALTER TABLE gpuq.jobs DISABLE TRIGGER USER")
-        await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('embed')")
-        await anyio.sleep(0.3)
+    async with job_inserted_silently(dsn, pool, poll_seconds=30) as got:
+        await dispatcher_idle()  # awake since the insert, with credit, and it leased nothing
         assert not got.is_set()  # nothing told the dispatcher, and the poll is 30 s away
         killed = await pool.fetchval(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE query ILIKE 'LISTEN%'")
@@ -26,12 +34,7 @@ async def test_jobs_inserted_while_not_listening_are_delivered_after_reconnect(d
 
 
 async def test_polling_covers_a_lost_notification(dsn, pool):
-    got = anyio.Event()
-    async with running_server(dsn, poll_seconds=0.3) as srv:
-        await srv.agent(["embed"], 1, sets(got))
-        await anyio.sleep(0.2)
-        await pool.execute("ALTER TABLE gpuq.jobs DISABLE TRIGGER USER")
-        await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('embed')")
+    async with job_inserted_silently(dsn, pool, poll_seconds=0.3) as got:
         with anyio.fail_after(5):
             await got.wait()
 
@@ -42,7 +45,7 @@ async def test_two_dispatchers_never_deliver_one_job_twice(dsn, pool):
     def recorder(name):
         async def handle(job):
             deliveries.setdefault(job.id, []).append(name)
-            await anyio.sleep(0)
+            await anyio.sleep(0)  # not a settle wait: a real await, so the handlers of an agent interleave
         return handle
 
     async with running_server(dsn) as one, running_server(dsn) as two:

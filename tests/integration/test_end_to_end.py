@@ -3,7 +3,7 @@
 import anyio
 
 from gpuq.harness import running_server
-from tests.helpers import count, sets, wait_count
+from tests.helpers import count, dispatcher_idle, sets, wait_count
 
 
 async def test_1000_jobs_three_agents_each_done_exactly_once(dsn, pool):
@@ -32,7 +32,7 @@ async def test_a_single_insert_reaches_an_idle_agent_without_polling(dsn, pool):
     started = anyio.Event()
     async with running_server(dsn, poll_seconds=30) as srv:
         await srv.agent(["embed"], 1, sets(started))
-        await anyio.sleep(0.3)  # the agent is idle: its first lease pass found nothing
+        await dispatcher_idle()  # the agent is idle: its first lease pass found nothing
         await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('embed')")
         with anyio.fail_after(3):  # far below the 30 s poll interval: NOTIFY did it
             await started.wait()
@@ -54,12 +54,12 @@ async def test_capacity_is_never_exceeded_and_kinds_route(dsn, pool):
 
     async with running_server(dsn) as srv:
         await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'A' FROM generate_series(1, 20)")
-        await anyio.sleep(0.5)
-        assert await count(pool, "leased") == 0  # no agent for kind A: nothing leased
         await srv.agent(["B"], 4, only_b, name="b")
+        await dispatcher_idle()  # woken by the inserts and the agent, it went idle with credit left
+        assert await count(pool, "leased") == 0  # no agent for kind A: nothing leased
         await srv.agent(["A"], 2, slow, name="a")
         await wait_count(pool, "leased", 3, timeout=5)  # 2 running, 1 prefetched (DEFAULT_PREFETCH)
-        await anyio.sleep(0.5)  # give the dispatcher every chance to over-lease
+        await dispatcher_idle()  # it went idle with agent b's credit left: it leases no more A
         assert await count(pool, "leased") == 3 and running["max"] == 2
         release.set()
         await wait_count(pool, "done", 20)

@@ -2,12 +2,10 @@
 
 import json
 
-import anyio
-
 from gpuq import db
 from gpuq.db import DatabaseUnavailable
 from gpuq.harness import http_get, running_server
-from tests.helpers import wait_count
+from tests.helpers import wait_count, wait_for
 
 
 async def test_status_counts_match_the_database(dsn, pool):
@@ -52,11 +50,13 @@ async def test_metrics_count_jobs_and_change_after_completions(dsn, pool):
         assert _metric(after, "gpuq_queue_depth", status="pending") == 3
 
 
+async def _healthz_is(srv, code: int) -> bool:
+    return (await http_get(srv.http + "/healthz"))[0] == code
+
+
 async def test_healthz_turns_503_while_the_listen_connection_is_down(dsn, pool, monkeypatch):
     async with running_server(dsn) as srv:
-        with anyio.fail_after(5):
-            while (await http_get(srv.http + "/healthz"))[0] != 200:
-                await anyio.sleep(0.05)
+        await wait_for(lambda: _healthz_is(srv, 200), timeout=5)
         real_connect = db.connect
 
         async def refuse(*args, **kwargs):
@@ -65,14 +65,11 @@ async def test_healthz_turns_503_while_the_listen_connection_is_down(dsn, pool, 
         # Fault injection: the LISTEN connection dies and cannot come back.
         monkeypatch.setattr(db, "connect", refuse)
         await pool.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query ILIKE 'LISTEN%'")
-        with anyio.fail_after(5):
-            while (res := await http_get(srv.http + "/healthz"))[0] != 503:
-                await anyio.sleep(0.05)
+        await wait_for(lambda: _healthz_is(srv, 503), timeout=5)
+        res = await http_get(srv.http + "/healthz")
         assert json.loads(res[2]) == {"ok": False, "database": True, "listening": False, "poll_only": False, "draining": False}
         monkeypatch.setattr(db, "connect", real_connect)
-        with anyio.fail_after(10):
-            while (await http_get(srv.http + "/healthz"))[0] != 200:
-                await anyio.sleep(0.1)
+        await wait_for(lambda: _healthz_is(srv, 200), timeout=10)
 
 
 async def test_unknown_paths_are_404(dsn):

@@ -1,6 +1,7 @@
 """Global concurrency limits (issue #16): per kind and per concurrency key, in the database."""
 
 import json
+from contextlib import asynccontextmanager
 
 import anyio
 import pytest
@@ -9,68 +10,62 @@ from gpuq import admin, queue
 from gpuq.harness import http_get, next_of, raw_agent, running_server
 from gpuq.jobs import Shape
 from gpuq.producer import enqueue
-from tests.helpers import wait_for
+from tests.helpers import dispatcher_idle, wait_for
 
 
-def blocking(running: list, release: anyio.Event):
+@asynccontextmanager
+async def limited_box(dsn, live_conn, scope, name, max_running, capacity):
+    """A limit set, then a server with one 'train' agent of ``capacity`` whose handler notes the
+    job it starts and blocks until the event is set; yields (running ids, release event)."""
+    running: list = []
+    release = anyio.Event()
+
     async def handler(job):
         running.append(job.id)
         await release.wait()
-    return handler
+
+    await admin.set_limit(live_conn, scope, name, max_running)
+    async with running_server(dsn, poll_seconds=60) as srv:
+        await srv.agent(["train"], capacity, handler, "box")
+        yield srv, running, release
+
+
+async def runs_no_more_than(running: list, n: int) -> None:
+    """Wait until ``n`` jobs run and the dispatcher, with credit left, went idle: it starts no more."""
+    await wait_for(lambda: len(running) == n)
+    await dispatcher_idle()
+    assert len(running) == n
+
+
+async def all_done(live_conn, n: int) -> None:
+    await wait_for(lambda: _done(live_conn, n))
+
+
+async def _done(live_conn, n: int) -> bool:
+    return await live_conn.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'done'") == n
 
 
 async def test_a_kind_limit_holds_plain_and_gpu_jobs_and_lifting_it_wakes_the_rest(dsn, live_conn):
-    running: list = []
-    release = anyio.Event()
-    await admin.set_limit(live_conn, "kind", "train", 2)
-    async with running_server(dsn, poll_seconds=60) as srv:
-        await srv.agent(["train"], 5, blocking(running, release), "box")
+    async with limited_box(dsn, live_conn, "kind", "train", 2, capacity=5) as (srv, running, release):
         ids = [await enqueue(live_conn, "train") for _ in range(6)]
-
-        async def two() -> bool:
-            return len(running) == 2
-
-        await wait_for(two)
-        await anyio.sleep(0.3)
-        assert len(running) == 2
+        await runs_no_more_than(running, 2)
         [limit] = json.loads((await http_get(f"{srv.http}/status"))[2])["limits"]
         assert limit == {"scope": "kind", "name": "train", "max_running": 2, "running": 2}
         await admin.set_limit(live_conn, "kind", "train", None)  # its NOTIFY wakes the dispatcher
-
-        async def five() -> bool:
-            return len(running) == 5
-
-        await wait_for(five)
+        await wait_for(lambda: len(running) == 5)
         release.set()
-
-        async def all_done() -> bool:
-            return await live_conn.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'done'") == 6
-
-        await wait_for(all_done)
+        await all_done(live_conn, 6)
     assert sorted(running) == ids
 
 
 async def test_a_key_limit_holds_only_that_key_and_a_finished_job_makes_room(dsn, live_conn):
-    running: list = []
-    release = anyio.Event()
-    await admin.set_limit(live_conn, "key", "tenant-a", 1)
-    async with running_server(dsn, poll_seconds=60) as srv:
-        await srv.agent(["train"], 6, blocking(running, release), "box")
+    async with limited_box(dsn, live_conn, "key", "tenant-a", 1, capacity=6) as (srv, running, release):
         a = [await enqueue(live_conn, "train", concurrency_key="tenant-a") for _ in range(3)]
         b = [await enqueue(live_conn, "train", concurrency_key="tenant-b") for _ in range(2)]
-
-        async def three() -> bool:
-            return len(running) == 3
-
-        await wait_for(three)
-        await anyio.sleep(0.3)
+        await runs_no_more_than(running, 3)
         assert sorted(running) == sorted([a[0], *b])
         release.set()
-
-        async def all_done() -> bool:
-            return await live_conn.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'done'") == 5
-
-        await wait_for(all_done)
+        await all_done(live_conn, 5)
     started = [r[0] for r in await live_conn.fetch("SELECT id FROM gpuq.jobs WHERE id = ANY($1) ORDER BY started_at", a)]
     assert started == a  # one at a time, in order
 
@@ -118,7 +113,13 @@ async def test_limited_leases_wait_for_each_other_and_count_what_the_last_one_le
                 second.extend(await queue.lease_limited(pool, plain, ["b", "b"], 30.0, scan_keys=False))
                 finished.set()
             tg.start_soon(lease)
-            await anyio.sleep(0.3)
+
+            async def waits_on_a_lock() -> bool:
+                return bool(await live_conn.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND datname = current_database()"))
+
+            await wait_for(waits_on_a_lock)
             assert not finished.is_set()  # waiting for the first one's transaction
             await tx.commit()
         assert second == []  # the limit was full once it could count

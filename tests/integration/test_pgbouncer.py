@@ -17,7 +17,7 @@ import pytest
 from gpuq import db, plans, queue
 from gpuq.harness import http_json, running_server
 from gpuq.jobs import NewJob
-from tests.helpers import add_pending, seed_history, sets, wait_count
+from tests.helpers import add_pending, dispatcher_idle, seed_history, sets, wait_count
 
 POOLED = {"GPUQ_POOLER": "transaction"}
 
@@ -37,7 +37,7 @@ async def test_serve_through_the_pooler_with_a_direct_url_for_listen(dsn, bounce
         await srv.agent(["embed"], 2, sets(done))
         producer = await db.connect(bouncer.url, pooler=True)
         try:
-            await anyio.sleep(0.3)  # idle: the job below can only come through NOTIFY (poll is 30 s)
+            await dispatcher_idle()  # idle: the job below can only come through NOTIFY (poll is 30 s)
             await queue.enqueue_many(producer, [NewJob("embed", {"n": 1})])
             with anyio.fail_after(10):
                 await done.wait()

@@ -14,7 +14,7 @@ from gpuq.jobs import NewJob
 from gpuq.producer import enqueue
 from gpuq.protocol import PROTOCOL_VERSION, Device
 from gpuq.sql import queries
-from tests.helpers import wait_for
+from tests.helpers import dispatcher_idle, wait_for
 
 H100S = [Device(0, "h100", 81920), Device(1, "h100", 81920)]
 
@@ -162,7 +162,7 @@ async def test_gpu_jobs_get_their_own_devices_on_an_agent_that_fits(dsn, live_co
             return [(d["job"], d["next"]) for d in h100["devices"]] == [(two, waiting), (two, None)]
 
         await wait_for(held_ready)
-        await anyio.sleep(0.2)
+        await dispatcher_idle()  # it went idle with that ready: it starts nothing else
         assert sorted(runs) == [("a10", a10, (0,)), ("h100", two, (0, 1))]
         assert await live_conn.fetchval("SELECT status::text FROM gpuq.jobs WHERE id = $1", waiting) == "leased"
         release.set()
@@ -261,7 +261,7 @@ async def test_a_job_waits_for_its_busy_warm_agent_rather_than_load_cold(dsn, li
 
         await wait_for(second)
         assert runs[1][:2] == ("cold", nowhere_warm)
-        await anyio.sleep(0.3)
+        await dispatcher_idle()  # with the cold agent's credit free, it went idle
         assert len(runs) == 2  # the cold agent is free again, but llama is warm on the busy one
         [warm] = [a for a in (await status(srv))["agents"] if a["agent"].startswith("warm")]
         assert warm["devices"][0]["next"] == held  # prefetch: ready there, to start when it frees
@@ -302,15 +302,18 @@ async def _stream_single_gpu_jobs(conn, stop: anyio.Event) -> None:
     while not stop.is_set():
         if await conn.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'pending' AND gpus = 1") < 4:
             await enqueue(conn, "train", gpus=1)
-        await anyio.sleep(0.01)
+        await anyio.sleep(0.01)  # not a settle wait: the stream's pace
 
 
 async def _two_gpu_job_runs_during_a_stream(dsn, conn, reserve_after: float, within: float) -> tuple | None:
     runs: list = []
+    big_ran = anyio.Event()
 
     async def handler(job):
         runs.append((job.id, job.devices))
-        await anyio.sleep(0.1 if len(job.devices) == 1 else 0)
+        if len(job.devices) == 2:
+            big_ran.set()
+        await anyio.sleep(0.1 if len(job.devices) == 1 else 0)  # not a settle wait: 1-GPU jobs work a while
 
     stop = anyio.Event()
     async with running_server(dsn, poll_seconds=60, reserve_after_seconds=reserve_after) as srv, \
@@ -318,11 +321,10 @@ async def _two_gpu_job_runs_during_a_stream(dsn, conn, reserve_after: float, wit
         await srv.agent(["train"], 1, handler, "h100-box", devices=H100S)
         producer = await asyncpg.connect(dsn)
         tg.start_soon(_stream_single_gpu_jobs, producer, stop)
-        await anyio.sleep(0.3)
+        await wait_for(lambda: len(runs) >= 2)  # the stream is under way: the device is taken
         big = await enqueue(conn, "train", gpus=2)
         with anyio.move_on_after(within):
-            while not any(r[0] == big for r in runs):
-                await anyio.sleep(0.02)
+            await big_ran.wait()
         stop.set()
     await producer.close()
     return next((r for r in runs if r[0] == big), None)

@@ -84,7 +84,7 @@ async def test_after_a_running_job_is_cancelled_its_slot_runs_the_ready_one_with
 
     async def hang(job):
         ran.append(job.id)
-        await anyio.sleep(60)
+        await anyio.sleep(60)  # not a settle wait: the job hangs until cancelled or timed out
 
     async with running_server(dsn, lease_seconds=300) as srv:
         cancelled, timed = [r[0] for r in await pool.fetch(
@@ -130,7 +130,7 @@ def _sample(text: str, name: str, **labels: str) -> float:
 
 async def test_agents_report_busy_time_and_gaps_to_metrics_and_status(dsn, pool):
     async def work(job):
-        await anyio.sleep(0.01)
+        await anyio.sleep(0.01)  # not a settle wait: busy time for the slot to report
 
     async with running_server(dsn, heartbeat_seconds=0.2) as srv:
         before = (await http_get(f"{srv.http}/metrics"))[2]

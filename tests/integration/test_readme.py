@@ -4,10 +4,8 @@ import ast
 import re
 from pathlib import Path
 
-import anyio
-
 from gpuq.harness import running_server
-from tests.helpers import wait_status
+from tests.helpers import wait_for, wait_status
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 RUN_LINE = "asyncio.run(agent.run_until_signal())"
@@ -55,9 +53,7 @@ async def test_the_ten_line_agent_example_runs_jobs(dsn, pool):
         bad = await pool.fetchval("INSERT INTO gpuq.jobs (kind, payload) VALUES ('embed', '{}') RETURNING id")
         await wait_status(pool, good, "done")
         await wait_status(pool, bad, "dead")
-        with anyio.fail_after(5):
-            while agent.completed < 2:
-                await anyio.sleep(0.01)
+        await wait_for(lambda: agent.completed == 2, timeout=5)
     assert await pool.fetchval("SELECT result FROM gpuq.jobs WHERE id = $1", good) == {"vector": [5]}
     assert "no text" in await pool.fetchval("SELECT last_error FROM gpuq.jobs WHERE id = $1", bad)
 

@@ -12,7 +12,7 @@ import pytest
 from gpuq.agent import Agent
 from gpuq.devdb import free_port
 from gpuq.harness import running_server
-from tests.helpers import wait_status
+from tests.helpers import wait_for, wait_status
 
 
 def _serve(dsn, port):
@@ -40,13 +40,11 @@ async def test_result_of_a_job_survives_a_killed_server_and_is_resent(dsn, pool)
             tg.start_soon(agent.run)
             jid = await pool.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('r') RETURNING id")
             await wait_status(pool, jid, "leased")
-            with anyio.fail_after(10):
-                while not runs:
-                    await anyio.sleep(0.02)
+            await wait_for(lambda: runs)
             proc.send_signal(signal.SIGKILL)  # no drain, no release: the lease stays
             proc.wait(10)
             release.set()  # the job finishes while no server is there
-            await anyio.sleep(0.5)
+            await wait_for(lambda: jid in agent.protocol.unacked)  # its outcome, held for the next connection
             assert await pool.fetchval("SELECT status::text FROM gpuq.jobs WHERE id = $1", jid) == "leased"
             proc = _serve(dsn, port)
             await wait_status(pool, jid, "done")  # resent after reconnect, accepted by its token
@@ -79,9 +77,7 @@ async def test_a_sync_slot_starts_no_ready_job_once_its_connection_is_gone(dsn, 
                   reconnect_min=0.1, reconnect_max=0.3)
 
     async def started(*ids: int) -> None:
-        with anyio.fail_after(10):
-            while not all(i in threads for i in ids):
-                await anyio.sleep(0.02)
+        await wait_for(lambda: all(i in threads for i in ids))
 
     try:
         async with anyio.create_task_group() as tg:
@@ -96,8 +92,9 @@ async def test_a_sync_slot_starts_no_ready_job_once_its_connection_is_gone(dsn, 
             await started(third)  # on the new connection; the fourth waits ready
             await wait_status(pool, fourth, "leased")
             gates["r"].set()  # the old slot's job ends: it must not take the fourth
-            await wait_status(pool, first, "done")  # its outcome, sent on the new connection
-            await anyio.sleep(0.3)
+            # Its outcome, sent on the new connection: the old slot's thread sends it (wakes the loop)
+            # only once it decided to end, or, wrongly, to start the fourth at once, in that thread.
+            await wait_status(pool, first, "done")
             assert fourth not in threads
             gates["s"].set()
             await wait_status(pool, fourth, "done")
@@ -126,20 +123,18 @@ async def test_server_rides_out_a_postgres_crash_restart(dsn, pool, cluster):
     async with running_server(dsn, lease_seconds=120) as srv:
         await srv.agent(["pg"], 2, handle)
         jid = await pool.fetchval("INSERT INTO gpuq.jobs (kind, payload) VALUES ('pg', '{\"wait\": true}') RETURNING id")
-        with anyio.fail_after(10):
-            while jid not in seen:
-                await anyio.sleep(0.02)
+        await wait_for(lambda: jid in seen)
         await anyio.to_thread.run_sync(cluster.restart, "immediate")  # a crash, then recovery
         release.set()  # the result arrives while the pool's connections are broken
         await pool.expire_connections()
-        with anyio.fail_after(30):
-            while True:
-                try:
-                    if await pool.fetchval("SELECT status::text FROM gpuq.jobs WHERE id = $1", jid) == "done":
-                        break
-                except Exception:  # noqa: BLE001 - the test's own pool reconnecting
-                    pass
-                await anyio.sleep(0.1)
+
+        async def done() -> bool:
+            try:
+                return await pool.fetchval("SELECT status::text FROM gpuq.jobs WHERE id = $1", jid) == "done"
+            except Exception:  # noqa: BLE001 - the test's own pool reconnecting
+                return False
+
+        await wait_for(done, timeout=30, interval=0.1)
         # New work still flows: the LISTEN connection came back by itself.
         t0 = time.monotonic()
         new = await pool.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('pg') RETURNING id")

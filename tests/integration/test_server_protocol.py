@@ -102,7 +102,7 @@ async def test_message_flood_is_closed_with_4008(dsn):
         with pytest.raises(ConnectionClosed) as info:
             for _ in range(200):
                 await ws.send(frame)
-                await anyio.sleep(0)
+                await anyio.sleep(0)  # not a settle wait: yield so each frame goes out (the flood)
             await ws.recv()
         assert info.value.rcvd is not None and info.value.rcvd.code == protocol.CloseCode.RATE_LIMITED
 
@@ -116,7 +116,7 @@ async def _connect_when_a_slot_frees(srv, timeout=10):
                 return ws
             except InvalidStatus as exc:
                 assert exc.response.status_code == 429
-                await anyio.sleep(0.05)
+                await anyio.sleep(0.05)  # not a settle wait: the retry's interval until a slot frees
 
 
 async def test_connection_limits_per_address_and_in_total(dsn):

@@ -14,6 +14,7 @@ from websockets.exceptions import InvalidStatus
 from gpuq.config import ConfigError, ServerConfig
 from gpuq.harness import TOKEN, running_server
 from gpuq.jobs import NewJob
+from tests.helpers import wait_for
 
 READ, ADMIN = "read-secret-1", "admin-secret-1"
 UI = {"ui_tokens": frozenset({READ}), "ui_admin_tokens": frozenset({ADMIN})}
@@ -76,7 +77,7 @@ async def test_a_session_cookie_is_http_only_and_strict_and_opens_the_pages(dsn,
 
 
 async def _never(job):
-    await anyio.sleep(60)
+    await anyio.sleep(60)  # not a settle wait: a job that runs as long as the test
 
 
 async def test_a_post_needs_the_sessions_csrf_token_and_this_origin(dsn):
@@ -273,9 +274,7 @@ async def test_the_overview_charts_the_last_hour_from_the_servers_own_samples(ds
             lease_points = body.split('<polyline class="lease" points="', 1)[1].split('"', 1)[0]
             return samples >= 3 and bool(lease_points.strip())  # some interval leased jobs
 
-        with anyio.fail_after(10):
-            while not await charted():
-                await anyio.sleep(0.1)
+        await wait_for(charted, interval=0.1)
         _, _, body = await request(srv.port, "GET", "/ui", session)
         done_points = body.split('<polyline class="done" points="', 1)[1].split('"', 1)[0].split()
         assert len(done_points) >= 3 and any(float(p.split(",")[1]) < 60 for p in done_points)  # above zero once
@@ -306,7 +305,7 @@ async def test_many_open_pages_share_one_overview_read_a_second(dsn, monkeypatch
             for ws in sockets:
                 await ws.recv()
             reads.clear()
-            await anyio.sleep(3)
+            await anyio.sleep(3)  # not a settle wait: the reads are counted over these 3 s of open pages
         finally:
             for ws in sockets:
                 await ws.close()
@@ -321,7 +320,7 @@ async def test_the_agents_page_links_the_job_each_gpu_runs(dsn, pool):
 
     async def train(job):
         started.set()
-        await anyio.sleep(30)
+        await anyio.sleep(30)  # not a settle wait: the job runs while the page is read
 
     async with running_server(dsn, **UI) as srv:
         await srv.agent(["train"], 2, train, "gpu-box", devices=(Device(0, "H100", 81559), Device(1, "H100", 81559)))

@@ -5,7 +5,7 @@ import pytest
 
 import gpuq
 from gpuq import queue
-from tests.helpers import add_pending, expire_leases
+from tests.helpers import add_pending, expire_leases, wait_for
 
 LEASE = 30.0
 
@@ -17,6 +17,17 @@ async def lease_one(conn, max_attempts: int = 5):
     return leased
 
 
+async def waiting(pool, n: int) -> None:
+    """Wait until ``n`` waiters wait: each LISTENs, then reads its job's outcome, then idles."""
+    from gpuq.sql import queries
+
+    async def idle_after_reading() -> bool:
+        return await pool.fetchval("SELECT count(*) FROM pg_stat_activity WHERE state = 'idle' AND query = $1",
+                                   queries["job_outcome"]) >= n
+
+    await wait_for(idle_after_reading)
+
+
 async def test_a_waiter_is_woken_by_the_batch_that_completes_its_job(dsn, pool, live_conn):
     job = await lease_one(live_conn)
     got = []
@@ -26,12 +37,10 @@ async def test_a_waiter_is_woken_by_the_batch_that_completes_its_job(dsn, pool, 
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(waiter)
-        await anyio.sleep(0.2)  # it is waiting
+        await waiting(pool, 1)
         assert got == []
-        with anyio.fail_after(5):  # a notification, not the 30 s timeout
-            await queue.complete_many(pool, [(job.id, job.lease_token, {"loss": 0.1})])
-            while not got:
-                await anyio.sleep(0.01)
+        await queue.complete_many(pool, [(job.id, job.lease_token, {"loss": 0.1})])
+        await wait_for(lambda: got, timeout=5)  # a notification, not the 30 s timeout
     assert got == [{"loss": 0.1}]
     assert await gpuq.wait(pool, job.id) == {"loss": 0.1}  # already done: at once
 
@@ -69,11 +78,10 @@ async def test_a_job_that_dies_in_maintenance_or_is_cancelled_wakes_its_waiter(d
     async with anyio.create_task_group() as tg:
         tg.start_soon(waiter, expiring.id)
         tg.start_soon(waiter, cancelled.id)
-        await anyio.sleep(0.2)
+        await waiting(pool, 2)
         with anyio.fail_after(5):
             await expire_leases(live_conn, [expiring.id])
             assert (await queue.reclaim_expired(pool, 10)).dead == [expiring.id]
             await gpuq.cancel(pool, cancelled.id)
-            while len(outcomes) < 2:
-                await anyio.sleep(0.01)
+            await wait_for(lambda: len(outcomes) == 2)
     assert outcomes == {expiring.id: "JobDead", cancelled.id: "JobCancelled"}

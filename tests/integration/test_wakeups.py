@@ -15,6 +15,7 @@ from gpuq import db, metrics, wakeups
 from gpuq.dispatcher import Tuning
 from gpuq.harness import running_server
 from tests.conftest import Notifications
+from tests.helpers import wait_for
 
 MARK_LAPSED = "SELECT last_value < (extract(epoch FROM clock_timestamp()) * 1000)::bigint FROM gpuq.wake_until"
 INSERT_IF_LAPSED = """
@@ -55,8 +56,7 @@ async def test_the_mark_lapses_and_never_moves_back(dsn, live_conn):
         assert second.until == first.until and second.previous == first.until
         await live_conn.execute("INSERT INTO gpuq.jobs (kind) VALUES ('a')")
         assert await got.drain(0.1) == ["+"]
-        while not await live_conn.fetchval(MARK_LAPSED):
-            await anyio.sleep(0.05)
+        await wait_for(lambda: live_conn.fetchval(MARK_LAPSED), interval=0.05)
         await live_conn.execute("INSERT INTO gpuq.jobs (kind) VALUES ('a')")
         assert await got.drain() == []
     finally:
@@ -122,7 +122,7 @@ async def test_a_job_committed_as_the_dispatcher_goes_idle_needs_no_poll(dsn, po
         with anyio.move_on_after(10):
             while not stream_done.is_set():
                 await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('fast')")
-                await anyio.sleep(0.002)
+                await anyio.sleep(0.002)  # not a settle wait: the stream's pace
 
     try:
         # Busy polls far apart enough that each finds some of the stream's jobs.
@@ -141,10 +141,11 @@ async def test_a_job_committed_as_the_dispatcher_goes_idle_needs_no_poll(dsn, po
                             if await slow.fetchval(INSERT_IF_LAPSED) and await slow.fetchval(MARK_LAPSED):
                                 break  # the mark only moves forward, by more than this took: no NOTIFY
                             await tx.rollback()
-                            await anyio.sleep(0.01)
-                    await anyio.sleep(0.05)
-                    stream_done.set()  # the dispatcher finds no more work and goes idle
-                    await anyio.sleep(0.2)  # ...and waits on its stragglers
+                            await anyio.sleep(0.01)  # not a settle wait: the retry's interval
+                    await anyio.sleep(0.05)  # not a settle wait: the stream (busy polls) goes on past the insert
+                    idle_before = lapsed_arms()
+                    stream_done.set()  # the dispatcher finds no more work and goes idle,
+                    await wait_for(lambda: lapsed_arms() > idle_before)  # finds the mark lapsed: waits on stragglers
                     await tx.commit()
                 finally:
                     await pool.release(slow)
@@ -291,4 +292,5 @@ async def test_the_mark_stays_armed_while_a_shapes_read_is_throttled(dsn, pool):
             job_id = await pool.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('work') RETURNING id")
             with anyio.fail_after(10):  # well before the throttle's 30 s or the poll's 60 s
                 await arrived.setdefault(job_id, anyio.Event()).wait()
-            await anyio.sleep(0.2)  # the mark of the lease before has lapsed
+            # Not a settle wait: longer than the 30 ms mark, which only arming again keeps valid.
+            await anyio.sleep(0.2)

@@ -74,18 +74,21 @@ def test_a_bad_frame_gets_an_error_and_the_connection_goes_on(frame, code):
     assert p.close_to_send() is None and p.state is State.OPEN
 
 
+def hello_but(**change) -> str:
+    """A protocol 1 hello of agent x for kind a, capacity 1, but with ``change``."""
+    return json.dumps({"type": "hello", "agent": "x", "kinds": ["a"], "capacity": 1, "protocol": 1, **change})
+
+
 @pytest.mark.parametrize("hello, close", [
     ('{"type": "heartbeat", "ids": []}', CloseCode.PROTOCOL_ERROR),
-    ('{"type": "hello", "agent": "x", "kinds": [], "capacity": 1, "protocol": 1}', CloseCode.PROTOCOL_ERROR),
-    ('{"type": "hello", "agent": "x", "kinds": ["a,b"], "capacity": 1, "protocol": 1}', CloseCode.PROTOCOL_ERROR),
-    ('{"type": "hello", "agent": "x", "kinds": ["a"], "capacity": 0, "protocol": 1}', CloseCode.PROTOCOL_ERROR),
-    ('{"type": "hello", "agent": "x", "kinds": ["a"], "capacity": 1, "protocol": 99}',
-     CloseCode.UNSUPPORTED_VERSION),
+    (hello_but(kinds=[]), CloseCode.PROTOCOL_ERROR),
+    (hello_but(kinds=["a,b"]), CloseCode.PROTOCOL_ERROR),
+    (hello_but(capacity=0), CloseCode.PROTOCOL_ERROR),
+    (hello_but(protocol=99), CloseCode.UNSUPPORTED_VERSION),
     ("garbage", CloseCode.PROTOCOL_ERROR),
     (b"\x00binary", CloseCode.PROTOCOL_ERROR),
     # Found by the fuzzer: a reason of 120 characters can be over the 123 bytes a close frame holds.
-    (json.dumps({"type": "hello", "agent": "x", "kinds": ["a"], "capacity": 1, "protocol": ["é" * 200]}),
-     CloseCode.UNSUPPORTED_VERSION),
+    (hello_but(protocol=["é" * 200]), CloseCode.UNSUPPORTED_VERSION),
 ])
 def test_a_bad_first_message_is_answered_then_closes(hello, close):
     p = ServerProtocol(max_payload=4096, max_messages_per_second=10, now=0.0)

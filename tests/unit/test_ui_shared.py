@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from gpuq.ui.shared import Shared
+from tests.helpers import wait_for
 
 
 class Clock:
@@ -19,7 +20,7 @@ async def test_callers_at_once_share_one_read_and_later_ones_read_again():
 
     async def read():
         reads.append(clock.now)
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # not a settle wait: a read that takes a while, so the callers overlap
         return len(reads)
 
     shared = Shared(1.0, clock)
@@ -40,13 +41,13 @@ async def test_a_failed_read_is_not_kept_and_a_caller_leaving_does_not_cancel_it
         calls.append(1)
         if len(calls) == 1:
             raise ConnectionError("database away")
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # not a settle wait: the read still runs when its caller leaves
         return "ok"
 
     with pytest.raises(ConnectionError):
         await shared.get("k", flaky)
     impatient = asyncio.ensure_future(shared.get("k", flaky))
-    await asyncio.sleep(0.01)
+    await wait_for(lambda: len(calls) == 2)  # its read has started
     impatient.cancel()
     assert await shared.get("k", flaky) == "ok" and len(calls) == 2  # the read went on for the next caller
 

@@ -26,8 +26,7 @@ from gpuq.harness import http_json
 
 def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--per-process", type=common.positive_int, default=250,
-                       help="agents per swarm process (default 250)")
+        common.positive(p, "--per-process", 250, "agents per swarm process")
         common.fleet_args(p, agents=1000, capacity=1, what="agents")
         p.add_argument("--jobs", type=common.positive_int, default=None,
                        help="jobs once all are connected (default 20 per agent)")

@@ -36,10 +36,9 @@ HANDLERS = {"async": "gpuq.bench.handlers:busy_async", "sync": "gpuq.bench.handl
 
 def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--agents", type=common.positive_int, default=4, help="agent processes, capacity 1 (default 4)")
-        p.add_argument("--jobs", type=common.positive_int, default=2000, help="backlog per run (default 2000)")
-        p.add_argument("--sleep-ms", type=common.positive_float, default=20.0,
-                       help="each handler's sleep (default 20)")
+        common.positive(p, "--agents", 4, "agent processes, capacity 1")
+        common.positive(p, "--jobs", 2000, "backlog per run")
+        common.positive(p, "--sleep-ms", 20.0, "each handler's sleep")
         p.add_argument("--prefetch", type=int, default=1, help="the agents' prefetch for the first runs (default 1)")
 
     async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:

@@ -360,7 +360,7 @@ def report(out: dict[str, Any]) -> None:
 
 def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--jobs", type=common.positive_int, default=20_000, help="jobs to insert (default 20000)")
+        common.positive(p, "--jobs", 20_000, "jobs to insert")
         p.add_argument("--seconds", type=float, default=60.0,
                        help="spread the inserts (and the chaos) over this long (default 60)")
         common.fleet_args(p, agents=6, capacity=8)

@@ -236,12 +236,18 @@ def median(xs: Sequence[float]) -> float:
 # -- argument types -----------------------------------------------------------
 
 
+def positive(p: argparse.ArgumentParser, flag: str, default: float, what: str) -> None:
+    """A positive ``flag`` (an int when ``default`` is one, else a float), its help ``what (default N)``."""
+    if isinstance(default, int):
+        p.add_argument(flag, type=positive_int, default=default, help=f"{what} (default {default})")
+    else:
+        p.add_argument(flag, type=positive_float, default=default, help=f"{what} (default {default:g})")
+
+
 def fleet_args(p: argparse.ArgumentParser, agents: int, capacity: int, what: str = "agent processes") -> None:
     """``--agents`` and ``--capacity`` with this bench's defaults."""
-    p.add_argument("--agents", type=positive_int, default=agents, help=f"{what} (default {agents})")
-    p.add_argument("--capacity", type=positive_int, default=capacity,
-                   help=f"capacity of each agent (default {capacity})")
-
+    positive(p, "--agents", agents, what)
+    positive(p, "--capacity", capacity, "capacity of each agent")
 
 
 def parse_int_list(text: str) -> list[int]:

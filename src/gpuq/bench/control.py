@@ -44,13 +44,10 @@ from gpuq.harness import KIND, running_server
 
 def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--jobs", type=common.positive_int, default=200, help="jobs cancelled (default 200)")
-        p.add_argument("--timeout", type=common.positive_float, default=10.0,
-                       help="seconds a cancel may take before it counts as lost (default 10)")
-        p.add_argument("--progress-jobs", type=common.positive_int, default=20_000,
-                       help="no-op jobs per throughput run, with and without progress (default 20000)")
-        p.add_argument("--rounds", type=common.positive_int, default=2,
-                       help="throughput runs of each, alternating (default 2)")
+        common.positive(p, "--jobs", 200, "jobs cancelled")
+        common.positive(p, "--timeout", 10.0, "seconds a cancel may take before it counts as lost")
+        common.positive(p, "--progress-jobs", 20_000, "no-op jobs per throughput run, with and without progress")
+        common.positive(p, "--rounds", 2, "throughput runs of each, alternating")
 
     async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
         result = await run(t.dsn, a.jobs, a.timeout)

@@ -30,8 +30,8 @@ STATS = ("p50_ms", "p90_ms", "p99_ms", "max_ms")
 
 def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--rate", type=common.positive_float, default=100.0, help="jobs per second (default 100)")
-        p.add_argument("--seconds", type=common.positive_float, default=20.0, help="duration (default 20)")
+        common.positive(p, "--rate", 100.0, "jobs per second")
+        common.positive(p, "--seconds", 20.0, "duration")
         common.fleet_args(p, agents=2, capacity=4)
         p.add_argument("--compare", choices=["pgqueuer"], default=None,
                        help="also run this peer on the same database and schedule")

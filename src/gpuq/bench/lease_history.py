@@ -48,7 +48,7 @@ def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--done", type=common.parse_int_list, default=[0, 1_000_000, 5_000_000],
                        help="comma-separated history sizes (done rows), default 0,1000000,5000000")
-        p.add_argument("--batch", type=common.positive_int, default=32, help="jobs per lease (default 32)")
+        common.positive(p, "--batch", 32, "jobs per lease")
         p.add_argument("--repeat", type=common.positive_int, default=50,
                        help="timed leases per size and query (default 50); the median is reported")
         p.add_argument("--budget", type=float, default=10.0,

@@ -39,15 +39,13 @@ GPU_MIX = (1, 1, 1, 1, 2, 2, 4)  # GPUs per job, drawn uniformly
 
 def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--agents", type=common.positive_int, default=16, help="agents (default 16)")
-        p.add_argument("--devices", type=common.positive_int, default=4, help="devices per agent (default 4)")
-        p.add_argument("--models", type=common.positive_int, default=12, help="models (default 12)")
-        p.add_argument("--warm", type=common.positive_int, default=2, help="warm models per agent (default 2)")
-        p.add_argument("--jobs", type=common.positive_int, default=1000, help="jobs per run (default 1000)")
-        p.add_argument("--rate", type=common.positive_float, default=250.0,
-                       help="arrivals a second, at random (default 250)")
-        p.add_argument("--load-seconds", type=common.positive_float, default=0.5,
-                       help="a cold model's load time (default 0.5)")
+        common.positive(p, "--agents", 16, "agents")
+        common.positive(p, "--devices", 4, "devices per agent")
+        common.positive(p, "--models", 12, "models")
+        common.positive(p, "--warm", 2, "warm models per agent")
+        common.positive(p, "--jobs", 1000, "jobs per run")
+        common.positive(p, "--rate", 250.0, "arrivals a second, at random")
+        common.positive(p, "--load-seconds", 0.5, "a cold model's load time")
         p.add_argument("--seed", type=int, default=16, help="the job sequence's seed (default 16)")
 
     async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:

@@ -26,11 +26,9 @@ from gpuq.harness import KIND
 
 def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--producers", type=common.positive_int, default=16, help="producer connections (default 16)")
-        p.add_argument("--seconds", type=common.positive_float, default=5.0,
-                       help="producing time of each run (default 5)")
-        p.add_argument("--rounds", type=common.positive_int, default=3,
-                       help="runs with and without the trigger, alternated (default 3)")
+        common.positive(p, "--producers", 16, "producer connections")
+        common.positive(p, "--seconds", 5.0, "producing time of each run")
+        common.positive(p, "--rounds", 3, "runs with and without the trigger, alternated")
         common.fleet_args(p, agents=2, capacity=64)
 
     async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:

@@ -24,10 +24,9 @@ LEASE_SECONDS = 300.0
 
 def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--jobs", type=common.positive_int, default=100_000, help="jobs to run (default 100000)")
-        p.add_argument("--batch", type=common.positive_int, default=64, help="jobs per lease (default 64)")
-        p.add_argument("--workers", type=common.positive_int, default=2,
-                       help="concurrent lease/complete loops, one connection each (default 2)")
+        common.positive(p, "--jobs", 100_000, "jobs to run")
+        common.positive(p, "--batch", 64, "jobs per lease")
+        common.positive(p, "--workers", 2, "concurrent lease/complete loops, one connection each")
 
     async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
         return await run(t.dsn, a.jobs, a.batch, a.workers)

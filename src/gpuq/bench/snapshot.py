@@ -30,10 +30,9 @@ LEASE_SECONDS = 300.0
 
 def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--pending", type=common.positive_int, default=250_000, help="jobs queued (default 250000)")
-        p.add_argument("--jobs", type=common.positive_int, default=200_000,
-                       help="jobs leased and completed between the two measurements (default 200000)")
-        p.add_argument("--batch", type=common.positive_int, default=256, help="jobs per lease (default 256)")
+        common.positive(p, "--pending", 250_000, "jobs queued")
+        common.positive(p, "--jobs", 200_000, "jobs leased and completed between the two measurements")
+        common.positive(p, "--batch", 256, "jobs per lease")
 
     async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
         if a.jobs > a.pending:

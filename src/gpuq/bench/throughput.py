@@ -47,7 +47,7 @@ CHUNKS = {"bulk": 10_000, "stream": 100}
 
 def register(sub: Any) -> None:
     def args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--jobs", type=common.positive_int, default=100_000, help="jobs (default 100000)")
+        common.positive(p, "--jobs", 100_000, "jobs")
         common.fleet_args(p, agents=4, capacity=64)
         p.add_argument("--mode", choices=sorted(CHUNKS), default="bulk",
                        help="bulk: insert 10,000 a statement up front; stream: 100 a statement "
@@ -57,10 +57,8 @@ def register(sub: Any) -> None:
         p.add_argument("--pgq-batch", type=common.positive_int, default=128,
                        help="pgqueuer dequeue batch_size (default 128: its best in our sweep; "
                             "its benchmark default is 10)")
-        p.add_argument("--pgq-workers", type=common.positive_int, default=2,
-                       help="pgqueuer QueueManagers per process, one connection each (default 2)")
-        p.add_argument("--pgq-processes", type=common.positive_int, default=1,
-                       help="pgqueuer consumer processes (default 1)")
+        common.positive(p, "--pgq-workers", 2, "pgqueuer QueueManagers per process, one connection each")
+        common.positive(p, "--pgq-processes", 1, "pgqueuer consumer processes")
         p.add_argument("--no-raw", action="store_true", help="skip the raw ceiling run")
         p.add_argument("--dashboard", action="store_true",
                        help="also run gpuq with one dashboard client open (live overview, pages reloaded every 2 s)")
