@@ -121,3 +121,14 @@ async def test_a_pass_placement_asks_for_runs_without_a_wake_up():
     w.listening = True  # and the last poll just now: no poll is due
     why = await w.wait(any_room=False, placing_wait=lambda: 0.0)
     assert why is not None and not why.every and not why.polled
+
+
+async def test_a_failed_pass_gives_its_reasons_back_to_the_next():
+    w = trigger()
+    w.on_notify(None, 0, "gpuq_jobs", "*")
+    w.on_notify(None, 0, "gpuq_jobs", "a@1")
+    w.credit_freed(frozenset({"b"}))
+    why = w.take()
+    w.put_back(why)  # the pass raised before it could use them
+    again = w.take()
+    assert again.rewind and again.every and again.kinds == {"a"} and again.credit == {frozenset({"b"})}

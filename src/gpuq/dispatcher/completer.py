@@ -87,10 +87,19 @@ class Completer(Writer):
             while self.done or self.failed or self.orphans or self.unstarted:
                 try:
                     await self._flush_once()
-                except asyncpg.DataError:
+                except asyncpg.DataError as exc:
                     # One outcome the database refuses must not block the batch
                     # forever: write them one by one and refuse the bad ones.
+                    if not (self.done or self.failed):
+                        self._drop_releases(exc)  # never: ids and tokens are the server's own
                     await self._flush_singly()
+
+    def _drop_releases(self, exc: BaseException) -> None:
+        """Releases the database refuses are given up (their leases expire instead), not retried forever."""
+        ids = [*self.orphans, *(i for _, jobs in self.unstarted for i, _ in jobs)]
+        log.error("jobs.release_refused", job_ids=ids, error=str(exc))
+        self.orphans.clear()
+        self.unstarted.clear()
 
     async def _flush_singly(self) -> None:
         done, failed = self.done[:1000], self.failed[:1000]

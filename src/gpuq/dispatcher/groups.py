@@ -71,8 +71,7 @@ class GroupLeases:
             with metrics.LEASE_SECONDS.time():
                 result = await queue.lease_slots(self.pool, sorted(kinds), slots, self.config.lease_seconds,
                                                  self.cursors.cursors, self.cursors.settled)
-            if moved := self.cursors.leased(result.cursors, rewinds):
-                await self._record_floors(moved)
+            moved = self.cursors.leased(result.cursors, rewinds)
             if result.jobs or result.dead:
                 log.info("lease.batch", batch=len(result.jobs), requested=len(slots), kinds=sorted(kinds),
                          agents=len({j.leased_by for j in result.jobs}), reclaimed=result.reclaimed,
@@ -80,7 +79,9 @@ class GroupLeases:
             short = len(result.jobs) < len(slots)
             if short:
                 self._short.add(kinds)
-            yield result.jobs
+            yield result.jobs  # delivered before anything else can fail
+            if moved:
+                await self._record_floors(moved)
             if short:
                 return
 

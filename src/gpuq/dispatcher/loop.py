@@ -43,7 +43,7 @@ class Dispatcher:
         self.completer = Completer(pool, backoff or JobBackoff(), on_written=self._outcomes_written, latency=self.latency,
                                    on_released=self._credit_freed)
         self.progress = ProgressWriter(pool, tuning.progress_write_seconds)
-        self.heartbeats = Heartbeats(pool, config.lease_seconds, on_lost=self.sessions.cancel_running)
+        self.heartbeats = Heartbeats(pool, config.lease_seconds, on_lost=self.sessions.cancel_on)
         self.trigger = LeaseTrigger(pool, config, tuning, on_kind=self._announced, on_cancel=self.sessions.cancel_running)
         self.groups = GroupLeases(pool, config, tuning, lambda: self.trigger.listen_pid, self.trigger.recheck)
         self.trigger.on_listen = lambda: self.groups.listen_connected(self.trigger.listen_pid or 0)
@@ -71,6 +71,7 @@ class Dispatcher:
     async def unregister(self, session: AgentSession) -> None:
         """The connection ended: commit what it reported, then return its jobs at once."""
         self.sessions.remove(session)
+        self.heartbeats.forget(session.id)
         with anyio.CancelScope(shield=True):
             released: list[int] = []
             try:
@@ -140,8 +141,13 @@ class Dispatcher:
         """Wait for a reason to lease (a notification, freed credit, a poll), then lease."""
         why = await self.trigger.wait(self.sessions.any_room(), lambda: self.placing.wait_left(
             self.sessions.any_room()))
-        if why is not None and not self.stopping:
+        if why is None or self.stopping:
+            return
+        try:
             await self.lease_pass(why)
+        except db.RETRYABLE_ERRORS:
+            self.trigger.put_back(why)  # what it was to look at is still to be looked at
+            raise
 
     def _lease_failed(self, exc: BaseException, retry_in: float) -> None:
         log.warning("lease.failed", error=str(exc), retry_in=retry_in)
@@ -151,7 +157,7 @@ class Dispatcher:
         """One pass: every group with a reason to lease, then every shape; each batch delivered."""
         stopping = lambda: self.stopping  # noqa: E731
         await self._deliver_all(self.groups.lease(self.sessions, why, self.listening, stopping))
-        await self._deliver_all(self.placing.lease(list(self.sessions), why.every, why.kinds, stopping))
+        await self._deliver_all(self.placing.lease(self.sessions, why.every, why.kinds, stopping))
 
     async def _deliver_all(self, batches: AsyncIterator[list[LeasedJob]]) -> None:
         async for jobs in batches:

@@ -23,7 +23,7 @@ from typing import Any
 
 from gpuq import admin, logs, metrics, placement, queue
 from gpuq.config import ServerConfig
-from gpuq.dispatcher.sessions import AgentSession
+from gpuq.dispatcher.sessions import AgentSession, Sessions
 from gpuq.dispatcher.tuning import Tuning
 from gpuq.jobs import LeasedJob, Shape
 from gpuq.placement import ShapeKey
@@ -46,7 +46,7 @@ class Placing:
 
     # -- a pass ------------------------------------------------------------
 
-    async def lease(self, agents: Sequence[AgentSession], every: bool, kinds: set[str],
+    async def lease(self, agents: Sessions, every: bool, kinds: set[str],
                     stopping: Callable[[], bool]) -> AsyncIterator[list[LeasedJob]]:
         """Lease placed jobs for ``agents``, shape by shape; ``every``: look at every shape, else
         those of the announced ``kinds`` and those that did not come up short."""
@@ -70,7 +70,7 @@ class Placing:
                     yield jobs
         self._warm_wait_ends = {key: at for key, at in self._warm_wait_ends.items() if key not in self._short}
 
-    async def _lease_shape(self, key: ShapeKey, shape: Shape, agents: Sequence[AgentSession],
+    async def _lease_shape(self, key: ShapeKey, shape: Shape, agents: Sessions,
                            warm_only: bool, ready: bool, stopping: Callable[[], bool]) -> AsyncIterator[list[LeasedJob]]:
         """Lease a shape's jobs for the agents with room (``ready``: room to hold them ready on busy
         devices); ``warm_only``: those holding its model warm, else the others, after the warm wait."""
@@ -96,7 +96,7 @@ class Placing:
                 self._short.add(key)
             yield jobs
 
-    def _after_warm_wait(self, key: ShapeKey, shape: Shape, agents: Sequence[AgentSession],
+    def _after_warm_wait(self, key: ShapeKey, shape: Shape, agents: Sessions,
                          slots: list[str]) -> list[str]:
         """Of the agents that could take a shape's jobs but do not hold their model warm, those
         that may: all when no connected agent holds it; else none until one of them had room
@@ -122,7 +122,7 @@ class Placing:
 
     # -- reservations ------------------------------------------------------
 
-    async def _reserve(self, agents: Sequence[AgentSession]) -> None:
+    async def _reserve(self, agents: Sessions) -> None:
         """Keep an agent for each multi-GPU shape whose next job has waited past reserve_after_seconds.
 
         Checked every ``reserve_check_seconds`` (one indexed row per multi-GPU

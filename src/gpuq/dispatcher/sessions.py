@@ -130,9 +130,14 @@ class Sessions:
     def cancel_running(self, ids: list[int]) -> None:
         """Jobs cancelled while leased: the agents holding them are told to stop their handlers."""
         for session in self._by_id.values():
-            if told := session.protocol.cancel(ids):
-                session.flush()
-                log.info("job.cancel_sent", agent=session.id, job_ids=told)
+            self.cancel_on(session.id, ids)
+
+    def cancel_on(self, session_id: str, ids: list[int]) -> None:
+        """Jobs this agent's lease of is gone: if it is still connected and holds them, it stops them."""
+        session = self._by_id.get(session_id)
+        if session is not None and (told := session.protocol.cancel(ids)):
+            session.flush()
+            log.info("job.cancel_sent", agent=session.id, job_ids=told)
 
     def send_drain(self, deadline_seconds: float) -> None:
         for s in self._by_id.values():

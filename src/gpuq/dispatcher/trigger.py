@@ -86,6 +86,13 @@ class LeaseTrigger:
     def lease_failed(self) -> None:
         self._next.every = True
 
+    def put_back(self, why: Pass) -> None:
+        """A pass failed part-way: its reasons join the next one's."""
+        self._next.every = self._next.every or why.every
+        self._next.rewind = self._next.rewind or why.rewind
+        self._next.kinds |= why.kinds
+        self._next.credit |= why.credit
+
     def take(self, polled: bool = False) -> Pass:
         """The reasons gathered so far, for the pass about to run; wake-ups from now on trigger another."""
         taken, self._next = self._next, Pass()
