@@ -7,6 +7,7 @@ a missing or wrong bearer token gets HTTP 401 and never a job.
 
 from __future__ import annotations
 
+import gc
 import hmac
 import json
 import ssl
@@ -295,8 +296,16 @@ async def serve(
     on_ready: Callable[[int], None] | None = None,
     tls: ssl.SSLContext | None = None,
     tuning: Tuning = TUNING_DEFAULT,
+    freeze_startup: bool = False,
 ) -> None:
-    """Run dispatcher + sweeper + server until ``stop`` is set, then drain and return."""
+    """Run dispatcher + sweeper + server until ``stop`` is set, then drain and return.
+
+    ``freeze_startup`` (``gpuq serve``, a process of its own): once started,
+    every object so far goes to the collector's permanent generation
+    (``gc.freeze``), so a full collection scans only what serving made; without
+    it one came early in each run and held every push up for 25-35 ms
+    (docs/benchmarks.md, "The layout of parts").
+    """
     if not config.tokens:
         raise ConfigError("no agent tokens: set GPUQ_TOKENS (comma-separated) or --tokens")
     stop = stop or anyio.Event()
@@ -319,10 +328,13 @@ async def serve(
                 max_size=config.max_payload, ssl=tls, compression=None, logger=_quiet_logger(),
             ) as server:
                 port = _port(server)
+                if freeze_startup:
+                    gc.collect()
+                    gc.freeze()
                 log.info("listen.mode", **_listen_mode(config))
                 log.info("server.listening", host=config.listen[0], port=port, tls=tls is not None,
                          lease_seconds=config.lease_seconds, tokens=len(config.tokens),
-                         event_loop=logs.event_loop_name())
+                         event_loop=logs.event_loop_name(), gc_frozen=gc.get_freeze_count())
                 if on_ready:
                     on_ready(port)
                 await stop.wait()

@@ -60,6 +60,8 @@ async def test_serve_logs_json_lines_with_job_ids_and_exits_0_on_sigterm(dsn, po
     assert sorted(e["job_id"] for e in pushed) == sorted(ids) and all(e["level"] == "debug" for e in pushed)
     assert all("timestamp" in e and "level" in e for e in events)
     assert [e["event_loop"] for e in events if e["event"] == "server.listening"] == ["uvloop"]  # the default
+    # Startup's objects are frozen out of the collector's scans: no full collection of them mid-run.
+    assert [e["gc_frozen"] > 10_000 for e in events if e["event"] == "server.listening"] == [True]
     connected = [e for e in events if e["event"] == "agent.connected"]
     assert connected[0]["agent"].startswith("opsy#") and connected[0]["kinds"] == ["logged"]
     assert not any("ops-token" in line for line in lines)  # tokens are never logged

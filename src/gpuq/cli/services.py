@@ -53,7 +53,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stop = anyio.Event()
         async with anyio.create_task_group() as tg:
             tg.start_soon(stop_on_signal, stop.set)
-            await serve(server_config, stop=stop, tls=tls)
+            await serve(server_config, stop=stop, tls=tls, freeze_startup=True)
             tg.cancel_scope.cancel()
 
     run_service(run)
