@@ -179,6 +179,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("token", "GPUQ_TOKEN", None, parse_text, "bearer token", {AGENT: "--token"}, shown="required"),
     Setting("kinds", "GPUQ_KINDS", None, parse_kinds, "comma-separated job kinds to take",
             {AGENT: "--kinds"}, shown="required"),
+    Setting("agent_drain_seconds", "GPUQ_AGENT_DRAIN_SECONDS", None, parse_duration,
+            "on SIGTERM, an agent stops taking jobs and exits once its running jobs are reported, or "
+            "after this long whatever is left (logged; the server gives running jobs back)",
+            {AGENT: "--drain-seconds"}, shown="none: waits for every report"),
     Setting("capacity", "GPUQ_CAPACITY", 1, parse_int, "jobs run at once", {AGENT: "--capacity"}),
     Setting("prefetch", "GPUQ_PREFETCH", 1, parse_int,
             "jobs held ready beyond capacity (and one per busy GPU), so a freed slot starts the next at once (0: none)",

@@ -140,3 +140,59 @@ async def test_server_rides_out_a_postgres_crash_restart(dsn, pool, cluster):
         new = await pool.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('pg') RETURNING id")
         await wait_status(pool, new, "done")
         assert time.monotonic() - t0 < 20
+
+
+async def test_an_agent_stopped_while_its_server_is_gone_retries_with_backoff_and_ends_by_its_deadline(dsn, pool):
+    """The server dies (frozen, then killed) with an outcome unacked; in its place something accepts and hangs up
+    (a proxy whose backend is gone). Told to stop within 1 s, the agent keeps its outcome, tries
+    again with its backoff (it once spun: about 1,100 reconnects a second, and never exited), then
+    returns by its deadline."""
+    port = free_port()
+    proc = _serve(dsn, port)
+    started, release, finished = anyio.Event(), anyio.Event(), anyio.Event()
+    attempts: list[float] = []
+
+    async def handle(job):
+        started.set()
+        await release.wait()
+        return {"ok": True}
+
+    async def hang_up(stream):
+        attempts.append(time.monotonic())
+        await stream.aclose()
+
+    agent = Agent(f"ws://127.0.0.1:{port}/agent", "tok", ["train"], 1, handle, "stopper",
+                  reconnect_min=0.05, reconnect_max=0.4)
+
+    async def run_agent():
+        await agent.run()
+        finished.set()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_agent)
+            with anyio.fail_after(20):
+                await agent.connected.wait()
+            await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('train')")
+            with anyio.fail_after(10):
+                await started.wait()
+            proc.send_signal(signal.SIGSTOP)  # frozen: the outcome goes out and is never acked
+            release.set()
+            await wait_for(lambda: agent.protocol.unacked, timeout=5)
+            proc.kill()
+            proc.wait()
+            listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=port)
+            tg.start_soon(listener.serve, hang_up)
+            await wait_for(lambda: attempts, timeout=5)  # the agent saw the connection go
+            stopped_at = time.monotonic()
+            agent.stop(deadline_seconds=1.0)
+            with anyio.fail_after(5):
+                await finished.wait()
+            assert time.monotonic() - stopped_at < 2.0
+            tries = [t for t in attempts if t >= stopped_at]
+            assert 1 <= len(tries) <= 10, len(tries)  # a backoff from 50 ms doubling to 400 ms: about 5
+            assert agent.protocol.unacked  # kept, and logged as unreported; never marked done here
+            tg.cancel_scope.cancel()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

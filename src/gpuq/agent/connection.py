@@ -8,12 +8,13 @@ import asyncio
 import inspect
 import socket
 import ssl
+import time
 from collections.abc import Iterable
 from typing import Any
 
 import anyio
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 from gpuq import gpus, logs, protocol
 from gpuq.agent.async_slots import AsyncSlots
@@ -56,6 +57,7 @@ class Agent:
         ssl_context: ssl.SSLContext | None = None,
         reconnect_min: float = 0.2,
         reconnect_max: float = 30.0,
+        drain_seconds: float | None = None,
     ):
         self.url, self.token = url, token
         self.kinds = tuple(kinds)
@@ -76,6 +78,12 @@ class Agent:
                                              prefetch=prefetch))  # checks the hello
         self._ready = asyncio.Event()  # the protocol has frames to send
         self._stop_event = asyncio.Event()
+        self._reconnect_now = _Nudge()  # stop() cuts the current reconnect wait short, not the later ones
+        # On SIGTERM (run_until_signal), stop with this deadline; None: wait for every report.
+        self.drain_seconds = drain_seconds
+        self._deadline: float | None = None  # monotonic: run() returns by then (stop(deadline_seconds))
+        self._running: anyio.CancelScope | None = None  # run()'s, while it runs
+        self._deadline_timer: asyncio.TimerHandle | None = None
         self._progress_due = asyncio.Event()  # a handler reported progress since the last send
         slots_class = AsyncSlots if is_async else ThreadSlots
         self._slots: Slots = slots_class(self.protocol, handler, self._ready.set, self._report_progress)
@@ -105,18 +113,51 @@ class Agent:
         self.protocol.update(labels=labels)
         self._ready.set()
 
-    def stop(self) -> None:
-        """Finish running jobs, report them, then return from ``run()``."""
+    def stop(self, deadline_seconds: float | None = None) -> None:
+        """Finish running jobs, report them, then return from ``run()``. With ``deadline_seconds``,
+        return by then at the latest: what still runs or is unreported is logged (``agent.unreported``)
+        and left to the server, which gives running jobs back when the connection ends. While the
+        server is unreachable the agent keeps trying with its reconnect backoff, never faster."""
         self.protocol.drain()
         self._ready.set()
+        self._reconnect_now.set()  # try to report now, not after the current backoff
+        if deadline_seconds is not None:
+            at = time.monotonic() + deadline_seconds
+            self._deadline = at if self._deadline is None else min(self._deadline, at)
+            self._arm_deadline()
         self._stop_event.set()
 
     async def run(self) -> None:
-        """Connect, run jobs, reconnect with backoff; return once stopped and everything is acked."""
-        await run_every(self.reconnect_min, self._connection,
-                        backoff=LoopBackoff(self.reconnect_min, self.reconnect_max),
-                        errors=(OSError, ConnectionClosed, TimeoutError, InvalidStatus, protocol.ProtocolError),
-                        on_error=self._connection_lost, until=self._done, wake=self._stop_event)
+        """Connect, run jobs, reconnect with backoff; return once stopped and everything is acked
+        (or at the stop's deadline)."""
+        with anyio.CancelScope() as self._running:
+            self._arm_deadline()
+            try:
+                await run_every(self.reconnect_min, self._connection,
+                                backoff=LoopBackoff(self.reconnect_min, self.reconnect_max),
+                                errors=(OSError, ConnectionClosed, TimeoutError, InvalidHandshake,
+                                        protocol.ProtocolError),
+                                on_error=self._connection_lost, until=self._done, wake=self._reconnect_now)
+            finally:
+                self._running = None
+                if self._deadline_timer is not None:
+                    self._deadline_timer.cancel()
+
+    def _arm_deadline(self) -> None:
+        """While run() runs and a stop gave a deadline, end run() then."""
+        if self._running is None or self._deadline is None:
+            return
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._deadline_timer = loop.call_later(max(0.0, self._deadline - time.monotonic()), self._give_up)
+
+    def _give_up(self) -> None:
+        if self._running is None or self._done():
+            return
+        log.error("agent.unreported", agent=self.name, running=sorted(self.protocol.running),
+                  unacked=sorted(self.protocol.unacked), reason="the stop's deadline passed")
+        self._running.cancel()
 
     def _done(self) -> bool:
         return self.protocol.draining and not self.protocol.unacked
@@ -231,9 +272,23 @@ class Agent:
     async def run_until_signal(self) -> None:
         """``run()``, with SIGTERM/SIGINT turned into a graceful ``stop()``."""
         async with anyio.create_task_group() as tg:
-            tg.start_soon(stop_on_signal, self.stop)
+            tg.start_soon(stop_on_signal, lambda: self.stop(self.drain_seconds))
             await self.run()
             tg.cancel_scope.cancel()
+
+
+class _Nudge:
+    """An event that wakes one wait: each ``set()`` cuts short the wait under way (or the next one)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        self._event.clear()
 
 
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:

@@ -41,7 +41,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         agent = Agent(config.get("url", flag=args.url), token, kinds, config.get("capacity", flag=args.capacity),
                       handler, config.get("agent_name", flag=args.agent_name), ssl_context=ctx, devices=devices,
                       labels=config.get("labels", flag=args.labels), models=config.get("models", flag=args.models),
-                      prefetch=config.get("prefetch", flag=args.prefetch))
+                      prefetch=config.get("prefetch", flag=args.prefetch),
+                      drain_seconds=config.get("agent_drain_seconds", flag=args.drain_seconds))
     except ProtocolError as exc:
         raise CLIError(exc.message) from None
     run_service(agent.run_until_signal)
