@@ -98,7 +98,7 @@ async def connect(dsn: str, *, direct: bool = False, pooler: bool | None = None,
     is_pooled = (pooled() if pooler is None else pooler) and not direct
     try:
         conn = await asyncpg.connect(dsn, **_session_kwargs(kwargs, is_pooled))
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+    except CONNECT_ERRORS as exc:
         raise DatabaseUnavailable(_unreachable(dsn, exc)) from None
     await _init_connection(conn)
     return Guarded(conn) if is_pooled else conn
@@ -111,7 +111,7 @@ async def create_pool(dsn: str, min_size: int = 1, max_size: int = 10, *, pooler
     try:
         pool = await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size, init=_init_connection,
                                          reset=_keep_session, **_session_kwargs(kwargs, is_pooled))
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+    except CONNECT_ERRORS as exc:
         raise DatabaseUnavailable(_unreachable(dsn, exc)) from None
     return Guarded(pool) if is_pooled else pool
 
@@ -132,8 +132,21 @@ def redact(dsn: str) -> str:
     return f"{scheme}://{user}@{host}"
 
 
+# No host of a multi-host DSN is what target_session_attrs asks for (a switchover, a
+# read-only fence, a balancer pointing at a standby): asyncpg raises this, not a PostgresError.
+NO_TARGET_HOST = asyncpg.exceptions.TargetServerAttributeNotMatched
+# What a connect turns into one DatabaseUnavailable line.
+CONNECT_ERRORS: tuple[type[BaseException], ...] = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError,
+                                                   NO_TARGET_HOST)
+
 # What a long-running service logs and retries instead of dying on: the
-# server restarting, a dropped connection, a statement failing mid-outage.
+# server restarting, a dropped connection, a statement failing mid-outage,
+# a moment with no writable primary.
 RETRYABLE_ERRORS: tuple[type[BaseException], ...] = (
-    DatabaseUnavailable, OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError,
+    DatabaseUnavailable, OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, NO_TARGET_HOST,
+)
+# The connection itself is gone or unusable (a waiter reconnects on these, and only these).
+CONNECTION_LOST: tuple[type[BaseException], ...] = (
+    DatabaseUnavailable, OSError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
+    asyncpg.exceptions.OperatorInterventionError, NO_TARGET_HOST,
 )

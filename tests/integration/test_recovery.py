@@ -196,3 +196,35 @@ async def test_an_agent_stopped_while_its_server_is_gone_retries_with_backoff_an
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+async def test_a_window_with_no_writable_host_is_waited_out_not_a_crash(dsn, live_conn):
+    """``target_session_attrs=read-write`` while every new session is read-only (a fence with
+    ``default_transaction_read_only``, as in a switchover): serve's reconnects find no host to
+    use. asyncpg says so with an error of its own, which once ended ``gpuq serve``; now serve
+    waits it out, /healthz says 503 meanwhile, and jobs run once a writable host is back."""
+    from gpuq.harness import http_get
+
+    database = await live_conn.fetchval("SELECT current_database()")
+    writable = dsn + ("&" if "?" in dsn else "?") + "target_session_attrs=read-write"
+    done = anyio.Event()
+
+    async def handle(job):
+        done.set()
+
+    async with running_server(writable) as srv:
+        await srv.agent(["train"], 1, handle)
+        await live_conn.execute(f'ALTER DATABASE "{database}" SET default_transaction_read_only = on')
+        try:
+            await live_conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                                    "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+
+            async def unhealthy() -> bool:
+                return (await http_get(srv.http + "/healthz"))[0] == 503
+
+            await wait_for(unhealthy, timeout=10)  # LISTEN lost, and reconnecting finds no host
+        finally:
+            await live_conn.execute(f'ALTER DATABASE "{database}" RESET default_transaction_read_only')
+        await live_conn.execute("INSERT INTO gpuq.jobs (kind) VALUES ('train')")
+        with anyio.fail_after(15):
+            await done.wait()
