@@ -13,13 +13,15 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import random
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
 from gpuq import admin, queue, wakeups
-from gpuq.db import connect
+from gpuq.db import CONNECTION_LOST, DatabaseUnavailable, connect
 from gpuq.jobs import NewJob
+from gpuq.loops import LoopBackoff
 from gpuq.sql import DB, queries
 
 T = TypeVar("T")
@@ -102,53 +104,93 @@ async def wait(db: DB | str, job_id: int, timeout: float | None = None,
     may be a DSN (a connection is opened for the wait), a pool (one of its
     connections is held while waiting) or a connection.
 
+    If the connection is lost (a restart, a failover), a wait on a DSN or a
+    pool connects again with backoff, LISTENs again and reads the job again,
+    until ``timeout``; a wait on a connection it was given raises the error.
+
     ``on_progress(progress)`` (sync or async) streams the job's progress: it is
     called with the stored ``{fraction, message, data, attempt, at}`` when the
     wait starts, if there is any, and each time the server writes a new one
     (at most once a second; woken by ``gpuq_progress``).
     """
-    if hasattr(db, "acquire"):  # LISTEN needs one connection, not a pool
-        async with db.acquire() as conn:
-            return await _wait_on(conn, job_id, timeout, on_progress)
-    return await _with(db, lambda conn: _wait_on(conn, job_id, timeout, on_progress))
-
-
-async def _wait_on(conn: Any, job_id: int, timeout: float | None,
-                   on_progress: Callable[[dict[str, Any]], Any] | None) -> Any:
-    changed = asyncio.Event()
-    key = str(job_id)
-
-    def on_notify(_c: Any, _pid: int, _channel: str, payload: str) -> None:
-        if key in payload.split(","):
-            changed.set()
-
-    channels = [wakeups.OUTCOMES_CHANNEL] + ([wakeups.PROGRESS_CHANNEL] if on_progress else [])
-    for channel in channels:
-        await conn.add_listener(channel, on_notify)
+    waiter = _Waiter(job_id, on_progress)
+    backoff = LoopBackoff()
+    delay = backoff.first
     try:
         async with asyncio.timeout(timeout):
-            shown = None  # the progress last passed to on_progress, as JSON text
             while True:
-                changed.clear()
-                row = await conn.fetchrow(queries["job_outcome"], job_id)
-                if row is None:
-                    raise JobError(job_id, f"no job {job_id}")
-                if on_progress and row["progress"] is not None and row["progress"] != shown:
-                    shown = row["progress"]
-                    if inspect.isawaitable(called := on_progress(json.loads(shown))):
-                        await called
-                if row["status"] == "done":
-                    return None if row["result"] is None else json.loads(row["result"])
-                if row["status"] == "dead":
-                    raise JobDead(job_id, f"job {job_id} is dead: {row['last_error']}", await admin.show(conn, job_id))
-                if row["status"] == "cancelled":
-                    raise JobCancelled(job_id, f"job {job_id} was cancelled", await admin.show(conn, job_id))
-                await changed.wait()
+                try:
+                    if hasattr(db, "acquire"):  # LISTEN needs one connection, not a pool
+                        async with db.acquire() as conn:
+                            return await waiter.wait_on(conn)
+                    return await _with(db, waiter.wait_on)
+                except CONNECTION_LOST:
+                    if not isinstance(db, str) and not hasattr(db, "acquire"):
+                        raise  # the caller's connection: it is the caller's to replace
+                await asyncio.sleep(delay * random.uniform(1 - backoff.jitter, 1))
+                delay = min(delay * 2, backoff.cap)
     except TimeoutError:
         raise WaitTimeout(job_id, f"job {job_id} did not end within {timeout} s") from None
-    finally:
-        for channel in channels:
-            await conn.remove_listener(channel, on_notify)
+
+
+class _Waiter:
+    """One wait, across the connections it may take: what progress it has passed on already."""
+
+    def __init__(self, job_id: int, on_progress: Callable[[dict[str, Any]], Any] | None):
+        self.job_id, self.on_progress = job_id, on_progress
+        self.shown: str | None = None  # the progress last passed to on_progress, as JSON text
+
+    async def wait_on(self, conn: Any) -> Any:
+        """Wait on this connection until the job ends (its result or error) or the connection is lost."""
+        changed, lost = asyncio.Event(), asyncio.Event()
+        key = str(self.job_id)
+
+        def on_notify(_c: Any, _pid: int, _channel: str, payload: str) -> None:
+            if key in payload.split(","):
+                changed.set()
+
+        def on_lost(_c: Any) -> None:
+            lost.set()
+            changed.set()
+
+        channels = [wakeups.OUTCOMES_CHANNEL] + ([wakeups.PROGRESS_CHANNEL] if self.on_progress else [])
+        conn.add_termination_listener(on_lost)
+        try:
+            for channel in channels:
+                await conn.add_listener(channel, on_notify)
+            while True:
+                changed.clear()
+                if (outcome := await self._read(conn)) is not _PENDING:
+                    return outcome
+                await changed.wait()
+                if lost.is_set():
+                    raise DatabaseUnavailable(f"the connection waiting for job {self.job_id} was lost")
+        finally:
+            conn.remove_termination_listener(on_lost)
+            if not conn.is_closed():
+                for channel in channels:
+                    await conn.remove_listener(channel, on_notify)
+
+    async def _read(self, conn: Any) -> Any:
+        """The job's result; its progress passed on; ``_PENDING`` while it has not ended."""
+        row = await conn.fetchrow(queries["job_outcome"], self.job_id)
+        job_id = self.job_id
+        if row is None:
+            raise JobError(job_id, f"no job {job_id}")
+        if self.on_progress and row["progress"] is not None and row["progress"] != self.shown:
+            self.shown = row["progress"]
+            if inspect.isawaitable(called := self.on_progress(json.loads(self.shown))):
+                await called
+        if row["status"] == "done":
+            return None if row["result"] is None else json.loads(row["result"])
+        if row["status"] == "dead":
+            raise JobDead(job_id, f"job {job_id} is dead: {row['last_error']}", await admin.show(conn, job_id))
+        if row["status"] == "cancelled":
+            raise JobCancelled(job_id, f"job {job_id} was cancelled", await admin.show(conn, job_id))
+        return _PENDING
+
+
+_PENDING = object()  # the job has not ended yet
 
 
 async def _with(db: DB | str, call: Callable[[DB], Awaitable[T]]) -> T:

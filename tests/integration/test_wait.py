@@ -85,3 +85,53 @@ async def test_a_job_that_dies_in_maintenance_or_is_cancelled_wakes_its_waiter(d
             await gpuq.cancel(pool, cancelled.id)
             await wait_for(lambda: len(outcomes) == 2)
     assert outcomes == {expiring.id: "JobDead", cancelled.id: "JobCancelled"}
+
+
+@pytest.mark.parametrize("through", ["dsn", "pool"])
+async def test_a_waiter_whose_connection_dies_connects_again_and_gets_the_result(dsn, pool, live_conn, through):
+    """A restart or a failover ends the waiter's connection: it connects again, LISTENs again,
+    reads the job again, and returns the result as soon as it is there (it once waited out its
+    whole timeout)."""
+    from gpuq import db
+    from gpuq.sql import queries
+
+    job = await lease_one(live_conn)
+    got = []
+    source = dsn if through == "dsn" else await db.create_pool(dsn, min_size=1, max_size=2)
+
+    async def waiter():
+        got.append(await gpuq.wait(source, job.id, timeout=60))
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await waiting(pool, 1)
+            await live_conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                                    "WHERE state = 'idle' AND query = $1", queries["job_outcome"])
+            await waiting(pool, 1)  # a new connection, listening and reading again
+            await queue.complete_many(pool, [(job.id, job.lease_token, {"loss": 0.2})])
+            with anyio.fail_after(5):  # a notification, not the 60 s timeout
+                await wait_for(lambda: got, timeout=5)
+    finally:
+        if through == "pool":
+            await source.close()
+    assert got == [{"loss": 0.2}]
+
+
+async def test_a_waiter_on_a_connection_it_was_given_says_when_that_connection_dies(dsn, pool, live_conn):
+    """Not a hang: the caller's connection is the caller's to replace."""
+    from gpuq import db
+
+    job = await lease_one(live_conn)
+    conn = await db.connect(dsn)
+    try:
+        async with anyio.create_task_group() as tg:
+            async def killer():
+                await waiting(pool, 1)
+                await live_conn.execute("SELECT pg_terminate_backend($1)", conn.get_server_pid())
+
+            tg.start_soon(killer)
+            with pytest.raises(db.DatabaseUnavailable, match="lost"), anyio.fail_after(10):
+                await gpuq.wait(conn, job.id, timeout=60)
+    finally:
+        await conn.close()
