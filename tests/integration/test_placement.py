@@ -11,6 +11,7 @@ from gpuq import plans, queue
 from gpuq.agent import run_process
 from gpuq.harness import http_get, next_of, raw_agent, running_server
 from gpuq.jobs import NewJob
+from gpuq.producer import cancel as gpuq_cancel
 from gpuq.producer import enqueue
 from gpuq.protocol import PROTOCOL_VERSION, Device
 from gpuq.sql import queries
@@ -369,3 +370,30 @@ async def test_100k_unplaceable_jobs_ahead_cost_a_lease_nothing(conn):
     with_them = await _lease_buffers(conn)
     for name in without:
         assert with_them[name] <= without[name] * 1.5, (name, without, with_them)
+
+
+async def test_a_reservation_ends_when_no_job_of_its_shape_waits_any_more(dsn, live_conn):
+    """The 2-GPU job that got an agent reserved is cancelled: the agent takes 1-GPU jobs again at
+    the next check (it once refused every other shape for good)."""
+    release = anyio.Event()
+    started: list[int] = []
+
+    async def handler(job):
+        started.append(job.id)
+        await release.wait()
+
+    async with running_server(dsn, reserve_after_seconds=0.3) as srv:  # polls look for reservations
+        await srv.agent(["train"], 1, handler, "h100-box", devices=H100S)
+        first = await enqueue(live_conn, "train", gpus=1)
+        await wait_for(lambda: first in started)  # device 0 taken: the 2-GPU job must wait
+        big = await enqueue(live_conn, "train", gpus=2)
+
+        async def reserved() -> bool:
+            return any(a["reserved_for"] for a in (await status(srv))["agents"])
+
+        await wait_for(reserved, timeout=10)
+        await gpuq_cancel(live_conn, big)
+        small = await enqueue(live_conn, "train", gpus=1)
+        await wait_for(lambda: small in started, timeout=5)  # on device 1, free all along
+        assert not await reserved()
+        release.set()

@@ -75,3 +75,11 @@ def test_an_outcome_gives_limited_shapes_that_came_up_short_another_try():
     assert not p.outcomes_written()  # no limits: nothing held back, no pass
     p._limited_kinds = frozenset({"train"})
     assert p.outcomes_written() and p._short == set()
+
+
+def test_while_an_agent_is_reserved_it_wants_a_pass_at_the_next_check_of_the_reservation():
+    p = placing(5.0, MODEL)
+    assert p.wait_left(any_room=True) is None
+    p.reserved = {"box#1": MODEL.key}
+    p._reserve_at = time.monotonic() + 0.5
+    assert 0.4 < p.wait_left(any_room=True) <= 0.5  # whether its shape still has a job waiting

@@ -126,7 +126,9 @@ class Placing:
         """Keep an agent for each multi-GPU shape whose next job has waited past reserve_after_seconds.
 
         Checked every ``reserve_check_seconds`` (one indexed row per multi-GPU
-        shape); a reservation ends when its shape leases a job, or its agent leaves.
+        shape); a reservation ends when its shape leases a job here, when its
+        agent leaves, and when no job of its shape waits any more (cancelled,
+        or leased by another server).
         """
         present = {s.id for s in agents}
         self.reserved = {sid: key for sid, key in self.reserved.items() if sid in present}
@@ -136,9 +138,13 @@ class Placing:
         self._reserve_at = now + min(self.tuning.reserve_check_seconds, self.config.reserve_after_seconds)
         held = set(self.reserved.values())
         for key, shape in self.shapes.items():
-            if shape.gpus < 2 or key in held:
+            if shape.gpus < 2:
                 continue
             waited = await queue.placed_head_wait(self.pool, shape)
+            if key in held:
+                if waited is None:
+                    self._unreserve(key, "placement.reservation_ended")
+                continue
             if waited is None or waited < self.config.reserve_after_seconds:
                 continue
             if (sid := placement.reserve(shape, agents, self.reserved)) is not None:
@@ -147,10 +153,10 @@ class Placing:
                 log.info("placement.reserved", agent=sid, kind=shape.kind, gpus=shape.gpus,
                          waited_seconds=round(waited, 1))
 
-    def _unreserve(self, key: ShapeKey) -> None:
+    def _unreserve(self, key: ShapeKey, event: str = "placement.reservation_used") -> None:
         for sid in [sid for sid, k in self.reserved.items() if k == key]:
             del self.reserved[sid]
-            log.info("placement.reservation_used", agent=sid, kind=key[0])
+            log.info(event, agent=sid, kind=key[0])
 
     # -- limits, shapes and when a pass is due -------------------------------
 
@@ -170,12 +176,14 @@ class Placing:
 
     def wait_left(self, any_room: bool) -> float | None:
         """Seconds until placement wants a pass of its own (None: never): a throttled shapes read,
-        or a warm wait that ends. A wait, not a reason to skip arming the wake-up mark: producers
-        must keep notifying meanwhile."""
+        a warm wait that ends, or the next look at whether reserved shapes still have a job waiting.
+        A wait, not a reason to skip arming the wake-up mark: producers must keep notifying meanwhile."""
         if not any_room:
             return None
         now = time.monotonic()
         waits = [at - now for at in self._warm_wait_ends.values()]
+        if self.reserved:
+            waits.append(self._reserve_at - now)
         if self._shapes_stale:
             waits.append(self._shapes_at + self.tuning.shapes_seconds - now)
         return max(0.0, min(waits)) if waits else None
