@@ -81,9 +81,9 @@ async def agents_connected(srv: Any) -> list[dict[str, Any]]:
     """The agents a running server's /status lists."""
     import json
 
-    from gpuq.harness import http_get
+    from gpuq.harness import TOKEN, http_get
 
-    return list(json.loads((await http_get(f"{srv.http}/status"))[2])["agents"])
+    return list(json.loads((await http_get(f"{srv.http}/status", token=TOKEN))[2])["agents"])
 
 
 async def no_agents_connected(srv: Any, timeout: float = 10.0) -> None:

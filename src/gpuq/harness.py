@@ -219,10 +219,10 @@ async def http_get(url: str, token: str | None = None) -> tuple[int, str | None,
     return await anyio.to_thread.run_sync(lambda: fetch(url, token=token))
 
 
-def http_json(port: int, path: str) -> dict[str, Any]:
-    """A JSON endpoint of a server on 127.0.0.1, or {} when it does not answer."""
+def http_json(port: int, path: str, token: str | None = TOKEN) -> dict[str, Any]:
+    """A JSON endpoint of a server on 127.0.0.1 (read with ``token``), or {} when it does not answer."""
     try:
-        return dict(json.loads(fetch(f"http://127.0.0.1:{port}{path}", timeout=2)[2]))
+        return dict(json.loads(fetch(f"http://127.0.0.1:{port}{path}", timeout=2, token=token)[2]))
     except (OSError, ValueError):
         return {}
 

@@ -79,7 +79,10 @@ class AgentServer:
             ok, detail = await self.health()
             return _response(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE,
                              json.dumps(detail).encode(), "application/json")
-        if path == "/status":
+        if path == "/status":  # agents' names, addresses and jobs' progress messages: a token's
+            if not self._authorized(request.headers.get("Authorization", ""), self._status_tokens):
+                return _response(HTTPStatus.UNAUTHORIZED, b"missing or invalid bearer token\n", "text/plain",
+                                 [("WWW-Authenticate", 'Bearer realm="gpuq"')])
             try:
                 body = await self.fleet.status()
             except db.RETRYABLE_ERRORS as exc:
@@ -115,13 +118,18 @@ class AgentServer:
             return _response(HTTPStatus.NOT_FOUND, f"no job {tail}\n".encode(), "text/plain")
         return _response(HTTPStatus.OK, json.dumps(job, default=str).encode(), "application/json")
 
-    def _authorized(self, header: str) -> bool:
+    @property
+    def _status_tokens(self) -> frozenset[str]:
+        """Who may read /status: agents' tokens and the dashboard's, read-only or admin."""
+        return self.config.tokens | self.config.ui_tokens | self.config.ui_admin_tokens
+
+    def _authorized(self, header: str, tokens: frozenset[str] | None = None) -> bool:
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token:
             return False
         # Compare against every token, in constant time, without stopping early.
         found = False
-        for t in self.config.tokens:
+        for t in self.config.tokens if tokens is None else tokens:
             found |= hmac.compare_digest(token.strip().encode(), t.encode())
         return found
 

@@ -5,7 +5,7 @@ from contextlib import asynccontextmanager
 
 import anyio
 
-from gpuq.harness import http_get, next_of, raw_agent, running_server
+from gpuq.harness import TOKEN, http_get, next_of, raw_agent, running_server
 from tests.helpers import dispatcher_idle, sets, wait_count
 
 
@@ -75,7 +75,7 @@ async def test_one_lease_statement_serves_every_agent_of_a_group(dsn, pool):
         assert srv.config.max_batch == 256
         agents = [(await raw_agent(srv, capacity=64, name=f"a{i}"))[0] for i in range(4)]
         async def all_connected():
-            return json.loads((await http_get(srv.http + "/status"))[2])["agents_connected"] == 4
+            return json.loads((await http_get(srv.http + "/status", token=TOKEN))[2])["agents_connected"] == 4
 
         await wait_for(all_connected)
         # A lease pass that began before the last agent registered leases for fewer agents (and

@@ -19,7 +19,7 @@ async def test_the_gpu_agent_example_runs_one_job_per_device_on_its_warm_model(d
         try:
             async def ready() -> bool:
                 assert agent.alive(), agent.tail()
-                body = json.loads((await http_get(f"{srv.http}/status"))[2])
+                body = json.loads((await http_get(f"{srv.http}/status", token=TOKEN))[2])
                 return [a["models"] for a in body["agents"]] == [["tiny-linear"]]
 
             await wait_for(ready, timeout=30)

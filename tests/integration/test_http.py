@@ -4,7 +4,7 @@ import json
 
 from gpuq import db
 from gpuq.db import DatabaseUnavailable
-from gpuq.harness import http_get, running_server
+from gpuq.harness import TOKEN, http_get, running_server
 from tests.helpers import wait_count, wait_for
 
 
@@ -13,13 +13,25 @@ async def test_status_counts_match_the_database(dsn, pool):
         await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'embed' FROM generate_series(1, 7)")
         await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'train' FROM generate_series(1, 2)")
         await srv.agent(["other"], 2, lambda job: None, name="watcher")
-        code, ctype, body = await http_get(srv.http + "/status")
+        code, ctype, body = await http_get(srv.http + "/status", token=TOKEN)
         assert code == 200 and ctype == "application/json"
         status = json.loads(body)
         assert status["live"]["pending"] == {"embed": 7, "train": 2}
         assert status["totals"]["pending"] == 9
         assert status["agents_connected"] == 1
         assert status["agents"][0]["kinds"] == ["other"] and status["agents"][0]["capacity"] == 2
+
+
+async def test_status_needs_an_agents_or_a_dashboards_token(dsn):
+    """Behind a load balancer more than agents reach the port: /status (agents' addresses, jobs'
+    progress messages) needs a token; /healthz and /metrics stay open."""
+    async with running_server(dsn, ui_tokens=frozenset({"viewer"}), ui_admin_tokens=frozenset({"boss"})) as srv:
+        assert (await http_get(srv.http + "/status"))[0] == 401
+        assert (await http_get(srv.http + "/status", token="wrong"))[0] == 401
+        for token in (TOKEN, "viewer", "boss"):
+            assert (await http_get(srv.http + "/status", token=token))[0] == 200, token
+        assert (await http_get(srv.http + "/healthz"))[0] == 200
+        assert (await http_get(srv.http + "/metrics"))[0] == 200
 
 
 def _metric(text, name, **labels):

@@ -7,7 +7,7 @@ import anyio
 import pytest
 
 from gpuq import admin, queue
-from gpuq.harness import http_get, next_of, raw_agent, running_server
+from gpuq.harness import TOKEN, http_get, next_of, raw_agent, running_server
 from gpuq.jobs import Shape
 from gpuq.producer import enqueue
 from tests.helpers import dispatcher_idle, wait_for
@@ -49,7 +49,7 @@ async def test_a_kind_limit_holds_plain_and_gpu_jobs_and_lifting_it_wakes_the_re
     async with limited_box(dsn, live_conn, "kind", "train", 2, capacity=5) as (srv, running, release):
         ids = [await enqueue(live_conn, "train") for _ in range(6)]
         await runs_no_more_than(running, 2)
-        [limit] = json.loads((await http_get(f"{srv.http}/status"))[2])["limits"]
+        [limit] = json.loads((await http_get(f"{srv.http}/status", token=TOKEN))[2])["limits"]
         assert limit == {"scope": "kind", "name": "train", "max_running": 2, "running": 2}
         await admin.set_limit(live_conn, "kind", "train", None)  # its NOTIFY wakes the dispatcher
         await wait_for(lambda: len(running) == 5)

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuq import plans, queue
 from gpuq.agent import run_process
-from gpuq.harness import http_get, next_of, raw_agent, running_server
+from gpuq.harness import TOKEN, http_get, next_of, raw_agent, running_server
 from gpuq.jobs import NewJob
 from gpuq.producer import cancel as gpuq_cancel
 from gpuq.producer import enqueue
@@ -21,7 +21,7 @@ H100S = [Device(0, "h100", 81920), Device(1, "h100", 81920)]
 
 
 async def status(srv) -> dict:
-    return json.loads((await http_get(f"{srv.http}/status"))[2])
+    return json.loads((await http_get(f"{srv.http}/status", token=TOKEN))[2])
 
 
 async def noop(job):

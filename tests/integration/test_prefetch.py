@@ -5,7 +5,7 @@ import json
 import anyio
 
 from gpuq import admin
-from gpuq.harness import http_get, next_of, raw_agent, running_server
+from gpuq.harness import TOKEN, http_get, next_of, raw_agent, running_server
 from tests.helpers import wait_count, wait_for
 
 HELLO_5 = {"protocol": 5, "devices": [], "labels": [], "models": []}
@@ -75,7 +75,7 @@ async def test_a_cancelled_prefetched_job_never_starts(dsn, pool):
 
 async def _holds(srv, n: int) -> bool:
     """The agent holds n jobs (pushed, not reported), and the first of them runs."""
-    [agent] = json.loads((await http_get(f"{srv.http}/status"))[2])["agents"]
+    [agent] = json.loads((await http_get(f"{srv.http}/status", token=TOKEN))[2])["agents"]
     return agent["inflight"] == n and agent["inflight"] - agent["unstarted"] == 1
 
 
@@ -146,7 +146,7 @@ async def test_agents_report_busy_time_and_gaps_to_metrics_and_status(dsn, pool)
         text = (await http_get(f"{srv.http}/metrics"))[2]
         busy = _sample(text, "gpuq_slot_busy_seconds_total") - _sample(before, "gpuq_slot_busy_seconds_total")
         assert 0.3 <= busy < 3  # 30 handlers of 10 ms, each measured by the agent
-        body = json.loads((await http_get(f"{srv.http}/status"))[2])
+        body = json.loads((await http_get(f"{srv.http}/status", token=TOKEN))[2])
         fraction = body["slots"]["busy_fraction"]
         assert 0 < fraction <= 1 and body["slots"]["busy_seconds"] >= 0.3
         assert body["agents"][0]["busy_fraction"] == fraction  # the only agent

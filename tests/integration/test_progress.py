@@ -47,7 +47,7 @@ async def test_a_sync_handler_reporting_often_is_written_once_a_second_and_strea
 
             await wait_for(three_written, timeout=15)
             shown = await gpuq.show(pool, job_id)
-            status = json.loads((await http_get(f"{srv.http}/status"))[2])
+            status = json.loads((await http_get(f"{srv.http}/status", token=TOKEN))[2])
             code, _, body = await http_get(f"{srv.http}/jobs/{job_id}", token=TOKEN)
             release.set()
         elapsed, writes = time.monotonic() - t0, written() - before
@@ -83,13 +83,13 @@ async def test_an_async_handler_reports_progress_and_the_outcome_drops_it(dsn, p
 
         await wait_for(stored)
         shown = await gpuq.show(pool, job_id)
-        status = json.loads((await http_get(f"{srv.http}/status"))[2])
+        status = json.loads((await http_get(f"{srv.http}/status", token=TOKEN))[2])
         shell = await anyio.to_thread.run_sync(lambda: subprocess.run(
             [sys.executable, "-m", "gpuq.cli", "status", "--server", srv.http], capture_output=True, text=True,
-            env={**os.environ, "DATABASE_URL": dsn}, timeout=60))
+            env={**os.environ, "DATABASE_URL": dsn, "GPUQ_TOKEN": TOKEN}, timeout=60))
         go.set()
         await wait_status(pool, job_id, "done")
-        after = json.loads((await http_get(f"{srv.http}/status"))[2])
+        after = json.loads((await http_get(f"{srv.http}/status", token=TOKEN))[2])
     assert status["agents"][0]["progress"] == {str(job_id): {"fraction": 0.25, "message": "loading"}}
     assert after["agents"][0]["progress"] == {}  # nothing kept for a finished job
     assert f"    job {job_id}: 25% loading" in shell.stdout.splitlines()  # gpuq status --server

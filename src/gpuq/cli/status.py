@@ -26,7 +26,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     body = on_db(args, admin.status_counts).as_dict()
     if args.server:
-        body["server"] = _fetch_server_status(args.server)
+        body["server"] = _fetch_server_status(args.server, config.get("token", flag=args.token))
     if args.json:
         print(json.dumps(body, indent=2, default=str))
     else:
@@ -34,13 +34,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fetch_server_status(base: str) -> dict[str, Any]:
+def _fetch_server_status(base: str, token: str | None) -> dict[str, Any]:
+    """A server's ``/status``, read with ``token`` (an agent's or a dashboard's: GPUQ_TOKEN, --token)."""
+    import urllib.error
     import urllib.request
 
     url = base.rstrip("/") + "/status"
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - operator-given http(s) URL
+        with urllib.request.urlopen(request, timeout=5) as resp:  # noqa: S310 - operator-given http(s) URL
             return dict(json.load(resp))
+    except urllib.error.HTTPError as exc:
+        hint = ": give a token (GPUQ_TOKEN or --token)" if exc.code == 401 else ""
+        raise CLIError(f"cannot read {url}: HTTP {exc.code}{hint}") from None
     except (OSError, ValueError) as exc:
         raise CLIError(f"cannot read {url}: {exc}") from None
 
