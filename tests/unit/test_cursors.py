@@ -63,12 +63,19 @@ def test_the_settled_id_moves_only_once_the_horizons_writers_have_ended():
     assert c.settled == 150
 
 
-def test_a_new_listen_connection_forgets_the_floors():
-    c = cursors()
+def test_a_new_listen_connection_starts_everything_afresh():
+    """After a failover the old server's settled id and writers mean nothing: a settled id above
+    the new server's ids would let cursors pass jobs not yet seen (they only moved up)."""
+    c = cursors(a=(0, 900))
     c.floors_recorded({"a": 1})
     c.confirm_after({"a"}, ["x"])
-    c.forget_floors()
-    assert c.floors == {} and c.confirm == []
+    c.new_horizon(1000, [])
+    c.new_horizon(1200, ["x9"])
+    assert c.settle_due(0.0, every=60) and not c.settle_due(1.0, every=60)  # next look in a minute
+    assert c.settled == 1000 and c.horizon_writers() == ["x9"]
+    c.restart(now=5.0)
+    assert c.floors == {} and c.confirm == [] and c.cursors == {} and c.since == 5.0
+    assert c.settled == 0 and c.horizon_writers() == [] and c.settle_due(5.0, every=60)
 
 
 async def a_pass(g: GroupLeases, listening: bool) -> None:

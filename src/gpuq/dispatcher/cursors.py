@@ -98,10 +98,15 @@ class Cursors:
         for kind in kinds:
             self.cursors.pop(kind, None)
 
-    def forget_floors(self) -> None:
-        """A new LISTEN connection: the floors recorded under the old one are gone."""
+    def restart(self, now: float) -> None:
+        """A new LISTEN connection, maybe to another server (a failover): the floors recorded under
+        the old one are gone, and the settled id and the writers it waited for were the old
+        server's. Start afresh: no cursor, nothing settled until a new horizon settles."""
         self.floors.clear()
         self.confirm.clear()
+        self.cursors.clear()
+        self.since = now
+        self.settled, self.horizon, self._settle_at = 0, None, 0.0
 
     # -- the settled horizon ---------------------------------------------------
 

@@ -117,6 +117,7 @@ class GroupLeases:
         return self.cursors.writers_running(running)
 
     async def listen_connected(self, pid: int) -> None:
-        """A new LISTEN connection: clear our floors from before (and the dead's)."""
+        """A new LISTEN connection: clear our floors from before (and the dead's); the cursors and
+        the settled horizon start afresh."""
         await wakeups.clear_floors(self.pool, pid)
-        self.cursors.forget_floors()
+        self.cursors.restart(time.monotonic())
