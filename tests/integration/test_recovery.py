@@ -1,5 +1,6 @@
 """Recovery: a killed server, a restarted PostgreSQL. Nothing an agent reported is lost."""
 
+import json
 import os
 import signal
 import subprocess
@@ -228,3 +229,29 @@ async def test_a_window_with_no_writable_host_is_waited_out_not_a_crash(dsn, liv
         await live_conn.execute("INSERT INTO gpuq.jobs (kind) VALUES ('train')")
         with anyio.fail_after(15):
             await done.wait()
+
+
+async def test_gpuq_agent_drain_seconds_bounds_a_stop(dsn, pool):
+    """``gpuq agent --drain-seconds``: on SIGTERM with a 60 s job running it exits by then, and
+    says what it leaves (the server gives the job back when the connection ends)."""
+    from gpuq.harness import TOKEN
+
+    async with running_server(dsn) as srv:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuq.cli", "agent", "--url", srv.url, "--token", TOKEN, "--kinds", "slow",
+             "--handler", "gpuq.demo:handle", "--drain-seconds", "0.5", "--log-format", "json"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            [job] = [r["id"] for r in await pool.fetch(
+                """INSERT INTO gpuq.jobs (kind, payload) VALUES ('slow', '{"seconds": 60}') RETURNING id""")]
+            await wait_for(lambda: pool.fetchval(
+                "SELECT started_at IS NOT NULL FROM gpuq.jobs WHERE id = $1", job), timeout=20)
+            stopped_at = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert await anyio.to_thread.run_sync(lambda: proc.wait(10)) == 0
+            assert time.monotonic() - stopped_at < 5  # not the job's 60 s
+            unreported = [json.loads(line) for line in proc.stdout.read().splitlines() if "agent.unreported" in line]
+            assert unreported and unreported[0]["running"] == [job]
+        finally:
+            if proc.poll() is None:
+                proc.kill()

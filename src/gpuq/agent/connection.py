@@ -153,7 +153,7 @@ class Agent:
         self._deadline_timer = loop.call_later(max(0.0, self._deadline - time.monotonic()), self._give_up)
 
     def _give_up(self) -> None:
-        if self._running is None or self._done():
+        if self._running is None or self.protocol.finished:
             return
         log.error("agent.unreported", agent=self.name, running=sorted(self.protocol.running),
                   unacked=sorted(self.protocol.unacked), reason="the stop's deadline passed")

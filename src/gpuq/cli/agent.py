@@ -42,7 +42,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
                       handler, config.get("agent_name", flag=args.agent_name), ssl_context=ctx, devices=devices,
                       labels=config.get("labels", flag=args.labels), models=config.get("models", flag=args.models),
                       prefetch=config.get("prefetch", flag=args.prefetch),
-                      drain_seconds=config.get("agent_drain_seconds", flag=args.drain_seconds))
+                      drain_seconds=config.get("agent_drain_seconds", flag=args.agent_drain_seconds))
     except ProtocolError as exc:
         raise CLIError(exc.message) from None
     run_service(agent.run_until_signal)
