@@ -141,12 +141,15 @@ CONNECT_ERRORS: tuple[type[BaseException], ...] = (OSError, asyncpg.PostgresErro
 
 # What a long-running service logs and retries instead of dying on: the
 # server restarting, a dropped connection, a statement failing mid-outage,
-# a moment with no writable primary.
+# a moment with no writable primary. A pooled connection that a failed
+# reconnect left half-open raises asyncpg's own InternalClientError ("cannot
+# switch to state 12; another operation is in progress"): the pool drops it.
 RETRYABLE_ERRORS: tuple[type[BaseException], ...] = (
-    DatabaseUnavailable, OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, NO_TARGET_HOST,
+    DatabaseUnavailable, OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError,
+    asyncpg.exceptions.InternalClientError,
 )
 # The connection itself is gone or unusable (a waiter reconnects on these, and only these).
 CONNECTION_LOST: tuple[type[BaseException], ...] = (
     DatabaseUnavailable, OSError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
-    asyncpg.exceptions.OperatorInterventionError, NO_TARGET_HOST,
+    asyncpg.exceptions.OperatorInterventionError, asyncpg.exceptions.InternalClientError,
 )

@@ -46,7 +46,9 @@ async def test_agents_over_wss_and_status_over_https(dsn, pool, cert):
             await done.wait()
 
         def https_status():
-            with urllib.request.urlopen(f"https://127.0.0.1:{port[0]}/status", context=client_ctx, timeout=5) as r:
+            request = urllib.request.Request(f"https://127.0.0.1:{port[0]}/status",
+                                             headers={"Authorization": f"Bearer {TOKEN}"})
+            with urllib.request.urlopen(request, context=client_ctx, timeout=5) as r:
                 return json.load(r)
 
         status = await anyio.to_thread.run_sync(https_status)
