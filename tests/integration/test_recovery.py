@@ -255,3 +255,34 @@ async def test_gpuq_agent_drain_seconds_bounds_a_stop(dsn, pool):
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+async def test_a_stop_ends_in_time_while_the_database_holds_the_outcomes_up(dsn, pool):
+    """SIGTERM while the outcome of a finished job cannot be written (its row is locked, as by a
+    hung database): serve waits its drain deadline and a bounded while for the database, then
+    returns; the job's lease expires and the sweeper gives it back. It once waited for ever."""
+    from gpuq.dispatcher import Tuning
+
+    ran, go = anyio.Event(), anyio.Event()
+
+    async def handle(job):
+        ran.set()
+        await go.wait()
+
+    [job] = [r["id"] for r in await pool.fetch("INSERT INTO gpuq.jobs (kind) VALUES ('held') RETURNING id")]
+    async with pool.acquire() as holder:
+        tx = holder.transaction()
+        await tx.start()
+        try:
+            with anyio.fail_after(30):  # a hang fails here, not the suite
+                async with running_server(dsn, drain_seconds=0.5, tuning=Tuning(shutdown_db_seconds=0.5)) as srv:
+                    agent = await srv.agent(["held"], 1, handle)
+                    await wait_for(lambda: ran.is_set(), timeout=10)
+                    await holder.execute("SELECT 1 FROM gpuq.jobs WHERE id = $1 FOR UPDATE", job)
+                    go.set()
+                    await wait_for(lambda: agent.protocol.unacked, timeout=5)  # sent: its UPDATE waits
+                    agent.stop(deadline_seconds=0.5)  # it cannot be acked: the agent gives up too
+                    stopping = time.monotonic()  # the context's exit is the SIGTERM
+                assert time.monotonic() - stopping < 5, "the stop waited on the database"
+        finally:
+            await tx.rollback()

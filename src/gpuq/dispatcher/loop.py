@@ -37,7 +37,7 @@ log = logs.get("dispatcher")
 class Dispatcher:
     def __init__(self, pool: Any, config: ServerConfig, tuning: Tuning = TUNING_DEFAULT,
                  backoff: JobBackoff | None = None):
-        self.pool, self.config, self.stopping = pool, config, False
+        self.pool, self.config, self.tuning, self.stopping = pool, config, tuning, False
         self.sessions = Sessions()
         self.latency = JobLatency(enabled=False)  # the dashboard turns it on
         self.completer = Completer(pool, backoff or JobBackoff(), on_written=self._outcomes_written, latency=self.latency,
@@ -72,8 +72,9 @@ class Dispatcher:
         """The connection ended: commit what it reported, then return its jobs at once."""
         self.sessions.remove(session)
         self.heartbeats.forget(session.id)
-        with anyio.CancelScope(shield=True):
-            released: list[int] = []
+        released: list[int] = []
+        # Shielded from the connection's end, bounded by a hung database.
+        with anyio.CancelScope(shield=True, deadline=anyio.current_time() + self.tuning.shutdown_db_seconds) as scope:
             try:
                 await self.completer.flush()
                 moved = await queue.release_agent(self.pool, session.id, session.protocol.ledger.started_ids())
@@ -84,6 +85,8 @@ class Dispatcher:
             except db.RETRYABLE_ERRORS as exc:
                 # Its leases expire instead; the sweeper reclaims them.
                 log.warning("agent.release_failed", agent=session.id, error=str(exc))
+        if scope.cancelled_caught:
+            log.warning("agent.release_failed", agent=session.id, error="the database did not answer in time")
         log.info("agent.disconnected", agent=session.id, released=len(released),
                  inflight=len(session.inflight))
         self.progress.forget(session.inflight)
@@ -199,11 +202,15 @@ class Dispatcher:
         with anyio.move_on_after(deadline_seconds):
             while self.sessions.inflight():
                 await anyio.sleep(0.05)
-        await self.completer.flush()
         left = [i for s in self.sessions for i in s.inflight]
-        if left:
-            try:
-                await queue.release_jobs(self.pool, left)
-            except db.RETRYABLE_ERRORS as exc:
-                log.warning("dispatcher.release_failed", error=str(exc), count=len(left))
+        with anyio.move_on_after(self.tuning.shutdown_db_seconds) as scope:
+            await self.completer.flush()
+            left = [i for s in self.sessions for i in s.inflight]
+            if left:
+                try:
+                    await queue.release_jobs(self.pool, left)
+                except db.RETRYABLE_ERRORS as exc:
+                    log.warning("dispatcher.release_failed", error=str(exc), count=len(left))
+        if scope.cancelled_caught:  # their leases expire; the sweeper gives them back
+            log.warning("dispatcher.release_failed", error="the database did not answer in time", count=len(left))
         log.info("dispatcher.drained", released=len(left))

@@ -30,6 +30,10 @@ SHAPES_SECONDS_DEFAULT = 0.05
 RESERVE_CHECK_SECONDS_DEFAULT = 1.0
 # A job's progress is written at most this often.
 PROGRESS_WRITE_SECONDS_DEFAULT = 1.0
+# The most a stop (after its drain deadline) or a disconnected agent waits on the database to
+# commit outcomes and give jobs back: a hung database must not hold SIGTERM. What is not written
+# by then is left to lease expiry (the sweeper), nothing else.
+SHUTDOWN_DB_SECONDS_DEFAULT = 5.0
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class Tuning:
     shapes_seconds: float = SHAPES_SECONDS_DEFAULT
     reserve_check_seconds: float = RESERVE_CHECK_SECONDS_DEFAULT
     progress_write_seconds: float = PROGRESS_WRITE_SECONDS_DEFAULT
+    shutdown_db_seconds: float = SHUTDOWN_DB_SECONDS_DEFAULT
     # The connection rules' own defaults (protocol/server_side.py), for the server to pass on.
     hello_timeout_seconds: float = server_side.HELLO_TIMEOUT_SECONDS
     max_errors_per_connection: int = server_side.MAX_ERRORS_PER_CONNECTION
