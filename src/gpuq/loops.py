@@ -10,7 +10,7 @@ Nothing here knows the database: the caller names its retryable errors.
 from __future__ import annotations
 
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,13 @@ class LoopBackoff:
     first: float = 0.05
     cap: float = 5.0
     jitter: float = 0.5
+
+    def delays(self) -> Iterator[float]:
+        """The delays after the first, second, ... failure in a row (a fresh one after a success)."""
+        delay = self.first
+        while True:
+            yield delay * random.uniform(1 - self.jitter, 1)
+            delay = min(delay * 2, self.cap)
 
 
 async def run_every(
@@ -43,17 +50,16 @@ async def run_every(
     ``on_error(exc, retry_in)`` hears each failure among ``errors`` (others
     propagate). ``wake``, an event, cuts any wait short.
     """
-    delay = backoff.first
+    delays = backoff.delays()
     while until is None or not until():
         try:
             await step()
         except errors as exc:
-            wait = delay * random.uniform(1 - backoff.jitter, 1)
-            delay = min(delay * 2, backoff.cap)
+            wait = next(delays)
             if on_error is not None:
                 on_error(exc, round(wait, 3))
         else:
-            wait, delay = interval, backoff.first
+            wait, delays = interval, backoff.delays()
         if wait > 0 and (until is None or not until()):
             with anyio.move_on_after(wait):
                 if wake is None:

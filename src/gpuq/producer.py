@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import random
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
@@ -114,8 +113,7 @@ async def wait(db: DB | str, job_id: int, timeout: float | None = None,
     (at most once a second; woken by ``gpuq_progress``).
     """
     waiter = _Waiter(job_id, on_progress)
-    backoff = LoopBackoff()
-    delay = backoff.first
+    delays = LoopBackoff().delays()
     try:
         async with asyncio.timeout(timeout):
             while True:
@@ -127,8 +125,7 @@ async def wait(db: DB | str, job_id: int, timeout: float | None = None,
                 except CONNECTION_LOST:
                     if not isinstance(db, str) and not hasattr(db, "acquire"):
                         raise  # the caller's connection: it is the caller's to replace
-                await asyncio.sleep(delay * random.uniform(1 - backoff.jitter, 1))
-                delay = min(delay * 2, backoff.cap)
+                await asyncio.sleep(next(delays))
     except TimeoutError:
         raise WaitTimeout(job_id, f"job {job_id} did not end within {timeout} s") from None
 

@@ -46,11 +46,10 @@ JOBS_PATH = "/jobs/"
 class AgentServer:
     """Websocket + HTTP front of one dispatcher."""
 
-    def __init__(self, dispatcher: Dispatcher, config: ServerConfig, tls: bool = False, tuning: Tuning = TUNING_DEFAULT):
+    def __init__(self, dispatcher: Dispatcher, config: ServerConfig, tls: bool = False):
         self.dispatcher = dispatcher
         self.fleet = Fleet(dispatcher)
         self.config = config
-        self.tuning = tuning
         self.ui = Dashboard(self.fleet, config.ui_tokens, config.ui_admin_tokens, tls, config.ui_sample_seconds)
         self._per_ip: dict[str, int] = {}
         self._connections = 0
@@ -168,8 +167,8 @@ class AgentServer:
     async def _handle(self, ws: ServerConnection) -> None:
         proto = ServerProtocol(max_payload=self.config.max_payload, now=time.monotonic(),
                                max_messages_per_second=self.config.max_messages_per_second,
-                               hello_timeout=self.tuning.hello_timeout_seconds,
-                               max_errors=self.tuning.max_errors_per_connection)
+                               hello_timeout=self.dispatcher.tuning.hello_timeout_seconds,
+                               max_errors=self.dispatcher.tuning.max_errors_per_connection)
         if not await self._hello(ws, proto):
             return
         wake = [anyio.Event()]  # the writer replaces it each time it wakes
@@ -324,7 +323,7 @@ async def serve(
             if missing := await pending_migrations(conn):
                 raise ConfigError(f"the database is not migrated (missing {', '.join(missing)}): run `gpuq migrate`")
         dispatcher = Dispatcher(pool, config, tuning)
-        front = AgentServer(dispatcher, config, tls=tls is not None, tuning=tuning)
+        front = AgentServer(dispatcher, config, tls=tls is not None)
         maintainer = Maintainer.standard(pool, config.sweep_seconds, config.retention_seconds)
         async with anyio.create_task_group() as tg:
             tg.start_soon(dispatcher.run)
