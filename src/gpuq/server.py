@@ -221,7 +221,7 @@ class AgentServer:
         elif isinstance(event, server_side.HeartbeatReceived):
             d.heartbeat(session, event.ids)
         elif isinstance(event, server_side.DrainRequested):
-            log.info("agent.draining", agent=session.id, inflight=len(session.inflight))
+            d.agent_draining(session)
         elif isinstance(event, server_side.ProgressReceived):
             d.report_progress(event.updates)
         elif isinstance(event, server_side.AgentUpdated):
@@ -348,6 +348,7 @@ async def serve(
                 await dispatcher.drain(config.drain_seconds)
                 server.close(close_connections=True)
                 await server.wait_closed()
+                await dispatcher.leave()
             tg.cancel_scope.cancel()
     finally:
         await pool.close()

@@ -19,6 +19,7 @@ NAMES = {
     "schedule_add", "schedule_remove", "schedule_list", "schedules_due", "schedules_fire", "record_progress",
     "lease_placed", "shapes", "placed_pending", "placed_head", "limits_lock", "lease_limited", "limit_set", "limits",
     "job_attempts", "jobs_recent", "jobs_failed", "jobs_live", "jobs_keyed", "max_job_id", "last_agents",
+    "fleet_put", "fleet_drop", "fleet_refresh", "fleet_prune", "fleet_others",
 }
 MULTI_STATEMENT = {"migrations_bootstrap", "plan_guards"}  # run as a simple query, never prepared
 

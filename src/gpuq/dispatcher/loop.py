@@ -23,6 +23,7 @@ from gpuq.dispatcher.groups import GroupLeases
 from gpuq.dispatcher.heartbeats import Heartbeats
 from gpuq.dispatcher.placing import Placing
 from gpuq.dispatcher.progress import ProgressWriter
+from gpuq.dispatcher.roster import Roster
 from gpuq.dispatcher.sessions import AgentSession, Sessions
 from gpuq.dispatcher.trigger import LeaseTrigger, Pass
 from gpuq.dispatcher.tuning import TUNING_DEFAULT, Tuning
@@ -47,7 +48,8 @@ class Dispatcher:
         self.trigger = LeaseTrigger(pool, config, tuning, on_kind=self._announced, on_cancel=self.sessions.cancel_running)
         self.groups = GroupLeases(pool, config, tuning, lambda: self.trigger.listen_pid, self.trigger.recheck)
         self.trigger.on_listen = lambda: self.groups.listen_connected(self.trigger.listen_pid or 0)
-        self.placing = Placing(pool, config, tuning)
+        self.roster = Roster(pool, tuning, self.sessions)  # this server's agents, for the other servers
+        self.placing = Placing(pool, config, tuning, self.roster)
 
     @property
     def listening(self) -> bool:
@@ -58,19 +60,21 @@ class Dispatcher:
             if self.config.listen_url is not None:  # else poll only (a pooled URL and no direct one)
                 tg.start_soon(self.trigger.listen)
             tg.start_soon(self._lease_loop)
-            for part in (self.completer, self.progress, self.heartbeats):
+            for part in (self.completer, self.progress, self.heartbeats, self.roster):
                 tg.start_soon(part.run)
 
     # -- agents' events (never waiting on the database, but for a disconnect) --
 
     def register(self, session: AgentSession) -> None:
         self.sessions.add(session)
+        self.roster.put(session)
         log.info("agent.connected", agent=session.id, kinds=sorted(session.kinds), capacity=session.capacity)
         self._credit_freed(session, new_agent=True)
 
     async def unregister(self, session: AgentSession) -> None:
         """The connection ended: commit what it reported, then return its jobs at once."""
         self.sessions.remove(session)
+        self.roster.drop(session)
         self.heartbeats.forget(session.id)
         released: list[int] = []
         # Shielded from the connection's end, bounded by a hung database.
@@ -120,7 +124,13 @@ class Dispatcher:
         """Its labels or warm models changed: jobs may now fit it, or fit it better."""
         log.info("agent.updated", agent=session.id, labels=list(session.protocol.labels),
                  models=list(session.protocol.models))
+        self.roster.put(session)
         self._credit_freed(session, new_agent=True)
+
+    def agent_draining(self, session: AgentSession) -> None:
+        """It finishes what it holds and takes nothing new: no job waits for its warm models."""
+        log.info("agent.draining", agent=session.id, inflight=len(session.inflight))
+        self.roster.put(session)
 
     def _credit_freed(self, session: Any, new_agent: bool = False) -> None:
         if new_agent:
@@ -214,3 +224,12 @@ class Dispatcher:
         if scope.cancelled_caught:  # their leases expire; the sweeper gives them back
             log.warning("dispatcher.release_failed", error="the database did not answer in time", count=len(left))
         log.info("dispatcher.drained", released=len(left))
+
+    async def leave(self) -> None:
+        """After the agents' connections closed: this server's fleet rows go now (bounded: a hung
+        database leaves them to the staleness bound)."""
+        with anyio.move_on_after(self.tuning.shutdown_db_seconds):
+            try:
+                await self.roster.leave()
+            except db.RETRYABLE_ERRORS as exc:
+                log.warning("fleet.leave_failed", error=str(exc))

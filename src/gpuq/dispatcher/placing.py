@@ -5,7 +5,8 @@ It owns what placement needs between passes:
   when a notification or poll asks, at most every ``shapes_seconds``;
 - the shapes whose last lease came up short (not tried again until their kind
   is announced or a poll comes, like a group that came up short);
-- warm waits: while an agent holding a shape's model warm is connected, a cold
+- warm waits: while an agent holding a shape's model warm is connected, to
+  this server or another (``Roster``: the whole fleet's agents), a cold
   agent's room goes to the shape only after ``warm_wait_seconds``;
 - reservations: an agent kept for a multi-GPU shape whose next job waited past
   ``reserve_after_seconds``.
@@ -17,23 +18,25 @@ themselves are pure functions in ``gpuq.placement``.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 from gpuq import admin, logs, metrics, placement, queue
 from gpuq.config import ServerConfig
+from gpuq.dispatcher.roster import Roster
 from gpuq.dispatcher.sessions import AgentSession, Sessions
 from gpuq.dispatcher.tuning import Tuning
 from gpuq.jobs import LeasedJob, Shape
-from gpuq.placement import ShapeKey
+from gpuq.placement import Candidate, ShapeKey
 
 log = logs.get("dispatcher")
 
 
 class Placing:
-    def __init__(self, pool: Any, config: ServerConfig, tuning: Tuning):
-        self.pool, self.config, self.tuning = pool, config, tuning
+    def __init__(self, pool: Any, config: ServerConfig, tuning: Tuning, roster: Roster):
+        self.pool, self.config, self.tuning, self.roster = pool, config, tuning, roster
         self.shapes: dict[ShapeKey, Shape] = {}
         self._shapes_at, self._shapes_stale = -tuning.shapes_seconds, True
         self._short: set[ShapeKey] = set()  # shapes whose last lease came up short
@@ -59,6 +62,8 @@ class Placing:
         elif kinds:
             self._short = {key for key in self._short if key[0] not in kinds}
         await self._reserve(agents)
+        if self.config.warm_wait_seconds and any(shape.model for shape in self.shapes.values()):
+            await self.roster.others()  # who holds which model warm elsewhere (throttled)
         work = [*self.shapes.items(), *(((k, ""), Shape.of_plain(k)) for k in self._limited_kinds)]
         passes = [(warm_only, False) for warm_only in (True, False)]  # every shape's warm agents first
         passes += [(warm_only, True) for warm_only in (True, False)]  # then prefetch: ready on busy devices
@@ -117,8 +122,10 @@ class Placing:
         return [sid for sid in slots if sid == slots[0]]
 
     def _waits_for_warm(self, shape: Shape, agents: Iterable[AgentSession]) -> bool:
-        """Whether the shape's jobs wait a while for an agent holding their model warm."""
-        return bool(shape.model and self.config.warm_wait_seconds and placement.warm_somewhere(shape, agents))
+        """Whether the shape's jobs wait a while for an agent holding their model warm, this
+        server's or another's (as last read)."""
+        return bool(shape.model and self.config.warm_wait_seconds
+                    and placement.warm_somewhere(shape, itertools.chain(agents, self.roster.last_read)))
 
     # -- reservations ------------------------------------------------------
 
@@ -202,14 +209,16 @@ class Placing:
             self._shapes_at, self._shapes_stale = now, False
 
     async def unplaceable(self, agents: Sequence[AgentSession]) -> dict[str, list[dict[str, Any]]]:
-        """Pending placed jobs no connected agent could run, per kind, with the reason (for /status)."""
+        """Pending placed jobs no agent connected to any server could run, per kind, with the reason
+        (for /status)."""
         pending = await queue.placed_pending(self.pool)
+        fleet: list[Candidate] = [*agents, *await self.roster.others()]
         if any(key not in self.shapes for key in pending):
             await self._refresh(True)
         out: dict[str, list[dict[str, Any]]] = {}
         for key, (n, oldest) in sorted(pending.items()):
             shape = self.shapes.get(key)
-            if shape is None or (reason := placement.why_unplaceable(shape, agents)) is None:
+            if shape is None or (reason := placement.why_unplaceable(shape, fleet)) is None:
                 continue
             out.setdefault(shape.kind, []).append({
                 "pending": n, "since": oldest.isoformat(), "gpus": shape.gpus, "gpu_memory_mb": shape.gpu_memory_mb,

@@ -28,6 +28,12 @@ SETTLE_SECONDS_DEFAULT = 0.01
 SHAPES_SECONDS_DEFAULT = 0.05
 # How often it asks how long each multi-GPU shape's next job has waited (for reservations).
 RESERVE_CHECK_SECONDS_DEFAULT = 1.0
+# Placement across servers (gpuq.fleet_agents, dispatcher/roster.py): how often a server marks
+# its agents' rows seen; after how long without that another server's rows stop counting (and
+# are pruned: it crashed or lost the database); how often, at most, it reads the others' rows.
+FLEET_REFRESH_SECONDS_DEFAULT = 2.0
+FLEET_STALE_SECONDS_DEFAULT = 10.0
+FLEET_READ_SECONDS_DEFAULT = 0.1
 # A job's progress is written at most this often.
 PROGRESS_WRITE_SECONDS_DEFAULT = 1.0
 # The most a stop (after its drain deadline) or a disconnected agent waits on the database to
@@ -45,6 +51,9 @@ class Tuning:
     shapes_seconds: float = SHAPES_SECONDS_DEFAULT
     reserve_check_seconds: float = RESERVE_CHECK_SECONDS_DEFAULT
     progress_write_seconds: float = PROGRESS_WRITE_SECONDS_DEFAULT
+    fleet_refresh_seconds: float = FLEET_REFRESH_SECONDS_DEFAULT
+    fleet_stale_seconds: float = FLEET_STALE_SECONDS_DEFAULT
+    fleet_read_seconds: float = FLEET_READ_SECONDS_DEFAULT
     shutdown_db_seconds: float = SHUTDOWN_DB_SECONDS_DEFAULT
     # The connection rules' own defaults (protocol/server_side.py), for the server to pass on.
     hello_timeout_seconds: float = server_side.HELLO_TIMEOUT_SECONDS

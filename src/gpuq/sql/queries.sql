@@ -237,6 +237,34 @@ ORDER BY priority DESC, id LIMIT 1;
 SELECT kind, shape, count(*) AS n, min(created_at) AS oldest
 FROM gpuq.jobs WHERE status = 'pending' AND shape IS NOT NULL GROUP BY kind, shape;
 
+-- name: fleet_put
+-- Write agents of server $1 (a jsonb array of rows: agent, kinds, protocol, devices, models, labels, draining), seen now.
+INSERT INTO gpuq.fleet_agents AS f (server, agent, kinds, protocol, devices, models, labels, draining)
+SELECT $1, r.agent, r.kinds, r.protocol, r.devices, r.models, r.labels, r.draining
+FROM jsonb_to_recordset($2::jsonb) AS r(agent text, kinds text[], protocol int, devices int[], models text[],
+                                        labels text[], draining boolean)
+ON CONFLICT (server, agent) DO UPDATE
+SET kinds = EXCLUDED.kinds, protocol = EXCLUDED.protocol, devices = EXCLUDED.devices, models = EXCLUDED.models,
+    labels = EXCLUDED.labels, draining = EXCLUDED.draining, seen_at = now();
+
+-- name: fleet_drop
+-- Delete agents $2 of server $1 (they disconnected); all of its rows when $2 is NULL (a clean stop).
+DELETE FROM gpuq.fleet_agents WHERE server = $1 AND ($2::text[] IS NULL OR agent = ANY($2));
+
+-- name: fleet_refresh
+-- Server $1 is alive: its rows seen now; the count tells it whether they are all there (a failover empties the table).
+WITH seen AS (UPDATE gpuq.fleet_agents SET seen_at = now() WHERE server = $1 RETURNING 1)
+SELECT count(*) FROM seen;
+
+-- name: fleet_prune
+-- Delete the rows of servers that stopped refreshing them more than $1 seconds ago (crashed, or cut off).
+DELETE FROM gpuq.fleet_agents WHERE seen_at < now() - make_interval(secs => $1);
+
+-- name: fleet_others
+-- The agents of every other server than $1 seen in the last $2 seconds (a few rows: one per connected agent).
+SELECT server, agent, kinds, protocol, devices, models, labels, draining FROM gpuq.fleet_agents
+WHERE server <> $1 AND seen_at >= now() - make_interval(secs => $2);
+
 -- name: complete_many
 -- Mark jobs done where (id, lease_token) still holds the lease, and tell waiters (gpuq_outcomes); returns the ids accepted.
 WITH done AS (
