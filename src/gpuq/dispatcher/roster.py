@@ -19,7 +19,6 @@ So each server keeps a row per connected agent (migration 0016):
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import socket
@@ -96,7 +95,7 @@ class Roster(Writer):
         batch, self._queued = self._queued, {}
         try:
             if rows := [_row(s) for s in batch.values() if s is not None]:
-                await self.pool.execute(queries["fleet_put"], self.server, json.dumps(rows))
+                await self.pool.execute(queries["fleet_put"], self.server, rows)
             if gone := [sid for sid, s in batch.items() if s is None]:
                 await self.pool.execute(queries["fleet_drop"], self.server, gone)
         except BaseException:
