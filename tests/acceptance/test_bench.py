@@ -123,6 +123,13 @@ def test_placement_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> 
     assert got["violations"] == 0
 
 
+def test_placement_over_two_serves_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    got = run_bench(capsys, server_dsn, "placement", "--serves", "2", "--agents", "2", "--devices", "2",
+                    "--models", "3", "--jobs", "12", "--load-seconds", "0.01", "--rate", "200")
+    assert got["serves"] == 2 and got["violations"] == 0
+    assert {"cold_loads_per_1000", "blind_cold_loads_per_1000", "cold_load_ratio"} <= got.keys()
+
+
 def test_busy_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
     got = run_bench(capsys, server_dsn, "busy", "--agents", "2", "--jobs", "20", "--sleep-ms", "5")
     assert {"busy_fraction_async", "busy_fraction_sync", "gap_p50_ms", "gap_p99_ms", "duplicate_starts",

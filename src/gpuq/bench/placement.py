@@ -1,7 +1,9 @@
 """``gpuq bench placement``: warm-model placement against a model-blind one, same jobs, same run.
 
-A ``gpuq serve`` and ``--agents`` agents of ``--devices`` devices each run in
-this process (``gpuq.harness``). ``--models`` models; each agent holds at most
+``--serves`` ``gpuq serve`` (default 1) and ``--agents`` agents of ``--devices``
+devices each run in this process (``gpuq.harness``); with several serves on
+the one database the agents are split between them round-robin, so a job's
+warm agent is often another server's (issue #29: placement across servers). ``--models`` models; each agent holds at most
 ``--warm`` warm (least recently used goes). ``--jobs`` jobs arrive at random
 (``--rate`` a second), a mix of 1-, 2- and 4-GPU jobs, each naming a model;
 the handler sleeps ``--load-seconds`` when its model is cold on its agent
@@ -19,6 +21,7 @@ multi-GPU jobs (enqueue to handler start), ``jobs_per_s`` (and blind).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import time
 from collections import OrderedDict
@@ -46,6 +49,7 @@ def register(sub: Any) -> None:
         common.positive(p, "--jobs", 1000, "jobs per run")
         common.positive(p, "--rate", 250.0, "arrivals a second, at random")
         common.positive(p, "--load-seconds", 0.5, "a cold model's load time")
+        common.positive(p, "--serves", 1, "gpuq serve on the one database, the agents split between them")
         p.add_argument("--seed", type=int, default=16, help="the job sequence's seed (default 16)")
 
     async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
@@ -54,10 +58,10 @@ def register(sub: Any) -> None:
                  rng.expovariate(a.rate)) for _ in range(a.jobs)]
         runs = {}
         for mode in ("placed", "blind"):
-            common.progress(f"{mode}: {a.jobs} jobs on {a.agents} agents x {a.devices} devices")
+            common.progress(f"{mode}: {a.jobs} jobs on {a.agents} agents x {a.devices} devices, {a.serves} serve(s)")
             runs[mode] = await run(t.dsn, a, jobs, warm_preference=mode == "placed")
         placed, blind = runs["placed"], runs["blind"]
-        return {"bench": "placement", "agents": a.agents, "devices": a.devices, "models": a.models,
+        return {"bench": "placement", "serves": a.serves, "agents": a.agents, "devices": a.devices, "models": a.models,
                 "jobs": a.jobs, "load_seconds": a.load_seconds,
                 "violations": placed["violations"] + blind["violations"],
                 "cold_loads_per_1000": placed["cold_per_1000"], "blind_cold_loads_per_1000": blind["cold_per_1000"],
@@ -112,11 +116,12 @@ async def run(dsn: str, a: argparse.Namespace, jobs: list[tuple[int, str, float,
             counts["done"] += 1
         return handle
 
-    async with await create_pool(dsn, min_size=1, max_size=4) as pool, \
-            running_server(dsn, poll_seconds=1, reserve_after_seconds=2, warm_wait_seconds=a.load_seconds) as srv:
+    async with await create_pool(dsn, min_size=1, max_size=4) as pool, contextlib.AsyncExitStack() as stack:
+        servers = [await stack.enter_async_context(running_server(
+            dsn, poll_seconds=1, reserve_after_seconds=2, warm_wait_seconds=a.load_seconds)) for _ in range(a.serves)]
         for i, box in enumerate(boxes):
-            box.agent = await srv.agent([KIND], 1, handler(box), f"gpu-{i}",
-                                        devices=[Device(d, "sim", 81920) for d in range(a.devices)])
+            box.agent = await servers[i % len(servers)].agent(
+                [KIND], 1, handler(box), f"gpu-{i}", devices=[Device(d, "sim", 81920) for d in range(a.devices)])
         began = time.time()
         for gpus, model, work, gap in jobs:
             await anyio.sleep(gap)
@@ -137,7 +142,8 @@ def report(r: dict[str, Any]) -> None:
     common.print_table(["", "cold loads / 1000 jobs", "multi-GPU p99 wait s", "jobs/s"],
                        [["warm-model placement", r["cold_loads_per_1000"], r["p99_wait_s"], r["jobs_per_s"]],
                         ["model-blind", r["blind_cold_loads_per_1000"], r["blind_p99_wait_s"], r["blind_jobs_per_s"]]],
-                       title=f"placement: {r['jobs']} jobs, {r['agents']} agents x {r['devices']} devices, "
+                       title=f"placement: {r['jobs']} jobs, {r['agents']} agents x {r['devices']} devices "
+                             f"over {r.get('serves', 1)} serve(s), "
                              f"{r['models']} models, {r['load_seconds']} s cold load")
     print(f"cold_load_ratio: {r['cold_load_ratio']} (target <= 0.25)   violations: {r['violations']}")
 
