@@ -64,7 +64,8 @@ class Fleet:
                 "gap_seconds": round(idle / 1000, 3), "window_seconds": slots.BUSY_WINDOW_SECONDS}
 
     async def unplaceable(self) -> dict[str, list[dict[str, Any]]]:
-        """Pending placed jobs no connected agent could run, per kind, with the reason."""
+        """Pending placed jobs no agent could run, per kind, with the reason: this server's agents and
+        every other server's (gpuq.fleet_agents, within its staleness bound)."""
         return await self._d.placing.unplaceable(list(self._d.sessions))
 
     def devices(self) -> list[tuple[str, Any, Any]]:
