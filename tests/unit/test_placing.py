@@ -4,6 +4,7 @@ import time
 
 from gpuq.config import ServerConfig
 from gpuq.dispatcher.placing import Placing
+from gpuq.dispatcher.roster import FleetAgent, Roster
 from gpuq.dispatcher.sessions import AgentSession, Sessions
 from gpuq.dispatcher.tuning import Tuning
 from gpuq.jobs import Shape
@@ -21,7 +22,8 @@ def agent(name: str, models: tuple[str, ...] = ()) -> AgentSession:
 
 
 def placing(warm_wait: float = 5.0, *shapes: Shape) -> Placing:
-    p = Placing(None, ServerConfig(database_url="postgresql://unused", warm_wait_seconds=warm_wait), Tuning())
+    p = Placing(None, ServerConfig(database_url="postgresql://unused", warm_wait_seconds=warm_wait), Tuning(),
+                Roster(None, Tuning(), Sessions()))
     if shapes:  # as if read just now
         p.shapes = {s.key: s for s in shapes}
         p._shapes_at, p._shapes_stale = time.monotonic(), False
@@ -44,6 +46,18 @@ def test_a_cold_agent_waits_for_the_warm_wait_while_the_model_is_warm_elsewhere_
     p._warm_wait_ends[MODEL.key] = time.monotonic() - 0.01
     assert p._after_warm_wait(MODEL.key, MODEL, fleet, [cold1.id, cold2.id, cold1.id]) == [cold1.id, cold1.id]
     assert MODEL.key not in p._warm_wait_ends  # the next wait starts afresh
+
+
+def test_a_model_warm_on_another_servers_agent_holds_a_cold_one_too():
+    cold = agent("cold")
+    p = placing(5.0, MODEL)
+    elsewhere = FleetAgent("warm#2", "other-server", frozenset({"train"}), 6, (Device(0, "", 81920),),
+                           frozenset({"llama"}), frozenset(), draining=False)
+    p.roster._others = [elsewhere]  # as last read from gpuq.fleet_agents
+    assert p._after_warm_wait(MODEL.key, MODEL, sessions(cold), [cold.id]) == []
+    p.roster._others = [FleetAgent(**{**vars(elsewhere), "draining": True})]  # it takes nothing new: no wait
+    p._warm_wait_ends.clear()
+    assert p._after_warm_wait(MODEL.key, MODEL, sessions(cold), [cold.id]) == [cold.id]
 
 
 def test_no_wait_when_nobody_holds_the_model_or_the_job_names_none():
