@@ -52,13 +52,19 @@ async def test_each_server_keeps_its_agents_rows_and_drops_them_on_disconnect_an
         assert servers == 2
         gone.set_models(["sdxl"])
         await wait_for(lambda: fleet_row(live_conn, "b-box", "sdxl"))
+        await enqueue(live_conn, "embed")  # b-box runs it until release: its drain takes that long
+        await wait_for(lambda: live_conn.fetchval("SELECT count(*) FROM gpuq.jobs WHERE status = 'leased'"))
         gone.stop()
+
+        async def draining() -> bool:
+            return bool(await live_conn.fetchval("SELECT draining FROM gpuq.fleet_agents WHERE agent LIKE 'b-box#%'"))
 
         async def b_left() -> bool:
             return not await fleet_row(live_conn, "b-box")
 
-        await wait_for(b_left)
+        await wait_for(draining)  # no job waits for its warm models any more
         release.set()
+        await wait_for(b_left)
     assert await live_conn.fetchval("SELECT count(*) FROM gpuq.fleet_agents") == 0  # a clean stop leaves none
 
 
