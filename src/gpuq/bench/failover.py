@@ -105,6 +105,7 @@ class Producer:
         self.errors = 0
         self.n = 0
         self._conn: Any = None
+        self._lock = anyio.Lock()  # the steady stream and the waiters' jobs share the one connection
 
     def payload(self, sleep: float) -> dict[str, Any]:
         self.n += 1
@@ -112,6 +113,10 @@ class Producer:
 
     async def submit(self, payloads: list[dict[str, Any]]) -> list[int]:
         """One statement; on any failure (raised) none of them is in the ledger: unknown is not acked."""
+        async with self._lock:
+            return await self._submit(payloads)
+
+    async def _submit(self, payloads: list[dict[str, Any]]) -> list[int]:
         try:
             if self._conn is None:
                 with anyio.fail_after(CONNECT_S):
