@@ -72,7 +72,8 @@ ZERO = ("lost", "id_mismatch", "not_done", "wrong", "serve_exits", "agent_exits"
 RECOVERY_LIMIT_S = 10.0  # issue #29: the first job done at most this long after a writable primary is back
 WAITER_MARGIN_S = 5.0  # a waiter may return this long after its job is done, or after its own timeout
 CONNECT_S, STATEMENT_S = 15.0, 10.0  # the bench's own bounds on the producer's connects and statements
-STOP_GRACE_S = 15.0  # SIGTERM to SIGKILL at the end
+AGENT_DRAIN_S = 5  # the agents' stop deadline (GPUQ_AGENT_DRAIN_SECONDS): without one they wait for ever
+STOP_GRACE_S = 15.0  # SIGTERM to SIGKILL at the end: above serve's drain (2 s) + database bound (5 s), and agents' 5 s
 DB_ERRORS: tuple[type[BaseException], ...] = (*RETRYABLE_ERRORS, TimeoutError)
 
 
@@ -212,7 +213,8 @@ class Processes:
             port = self.serves[i % 2][0]
             argv = agent_argv(f"ws://127.0.0.1:{port}/agent", f"failover-{i}", "gpuq.bench.handlers:failover",
                               self.cfg.capacity, kinds=KIND)
-            self.agents.append(spawn(f"agent-{i}", argv, self.workdir, {EXEC_DIR_ENV: str(self.workdir)}))
+            env = {EXEC_DIR_ENV: str(self.workdir), "GPUQ_AGENT_DRAIN_SECONDS": str(AGENT_DRAIN_S)}
+            self.agents.append(spawn(f"agent-{i}", argv, self.workdir, env))
         self._until(lambda: sum(http_json(p, "/status").get("agents_connected", 0) for p, _ in self.serves)
                     >= self.cfg.agents, "agents connected")
 
