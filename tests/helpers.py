@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
 import anyio
+import pytest
+
+
+def need_replica_tools() -> None:
+    """Skip without pg_basebackup (a standby cannot be built), except under CI=true: there it is a failure."""
+    from gpuq.replica import missing_tools
+
+    if why := missing_tools():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run every test: {why}")
+        pytest.skip(why)
 
 
 async def seed_history(conn: Any, n: int, kind: str = "train", status: str = "done") -> None:

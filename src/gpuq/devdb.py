@@ -130,6 +130,7 @@ class Cluster:
     bindir: Path = field(default_factory=find_bindir)
     user: str | None = field(default_factory=_server_user)
     socket_dir: Path | None = None
+    settings: dict[str, str] = field(default_factory=dict)  # added to BASE_SETTINGS at initdb
 
     @property
     def dsn(self) -> str:
@@ -182,10 +183,32 @@ class Cluster:
         self._hand_over(self.data_dir)
         self._run([str(self.bindir / "initdb"), "-D", str(self.data_dir), "-U", "gpuq",
                    "--auth=trust", "-E", "UTF8", "--no-locale", "--no-instructions"])
-        settings = dict(BASE_SETTINGS, **(FAST_SETTINGS if self.fast else {}))
+        self.configure(dict(BASE_SETTINGS, **(FAST_SETTINGS if self.fast else {}), **self.settings),
+                       "gpuq embedded cluster")
+
+    def configure(self, settings: dict[str, str], why: str) -> None:
+        """Append ``settings`` to postgresql.conf (the last line of a name wins; ``reload()`` applies)."""
         with open(self.data_dir / "postgresql.conf", "a") as conf:
-            conf.write("\n# gpuq embedded cluster\n")
+            conf.write(f"\n# {why}\n")
             conf.writelines(f"{k} = {v}\n" for k, v in settings.items())
+
+    def reload(self) -> None:
+        self._pg_ctl("reload")
+
+    def promote(self) -> None:
+        """End a standby's recovery: it is a writable primary when this returns."""
+        self._pg_ctl("promote", "-w", "-t", "60")
+
+    def tool(self, name: str, *args: str) -> None:
+        """Run the PostgreSQL binary ``name`` (pg_basebackup, say) as the server user."""
+        if not (self.bindir / name).is_file():
+            raise DevDBError(f"{name} not found in {self.bindir}. {INSTALL_HINT}")
+        self._run([str(self.bindir / name), *args])
+
+    def hand_over(self, path: Path) -> None:
+        """Create ``path`` for the server user (a data directory another tool fills)."""
+        path.mkdir(parents=True, exist_ok=True)
+        self._hand_over(path)
 
     def _start(self) -> None:
         if not self.port:
@@ -255,11 +278,11 @@ def _server_env() -> dict[str, str]:
     return env
 
 
-def throwaway_cluster() -> Cluster:
+def throwaway_cluster(settings: dict[str, str] | None = None, bindir: Path | None = None) -> Cluster:
     """A fast, disposable cluster in a fresh temporary directory (for tests and benches)."""
     root = Path(tempfile.mkdtemp(prefix="gpuq-pg-"))
     root.chmod(0o755)
-    return Cluster(root / "data", fast=True)
+    return Cluster(root / "data", fast=True, bindir=bindir or find_bindir(), settings=dict(settings or {}))
 
 
 def dev_cluster(base: Path | None = None) -> Cluster:

@@ -27,6 +27,7 @@ class TcpProxy:
         self._open.set()
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._closing = False
         self._thread = threading.Thread(target=self._loop.run_forever, name="tcpproxy", daemon=True)
 
     def __enter__(self) -> TcpProxy:
@@ -65,14 +66,20 @@ class TcpProxy:
     async def _shut(self) -> None:
         assert self._server is not None
         self._server.close()
+        self._closing = True
         for w in list(self._writers):
             w.transport.abort()
         self._open.set()  # pumps held back see their sockets gone and end
+        # Let them end here, not be destroyed pending when the loop stops ("Task was destroyed" at exit).
+        if tasks := [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
+            await asyncio.wait(tasks, timeout=2)
 
     async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         self._writers.add(client_w)
         try:
             await self._open.wait()  # a black hole accepts, and then says nothing
+            if self._closing:
+                return
             try:
                 upstream_r, upstream_w = await asyncio.open_connection(*self.target)
             except OSError:

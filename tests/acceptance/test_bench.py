@@ -148,3 +148,25 @@ def test_throughput_with_a_dashboard_open_json(server_dsn: str, capsys: pytest.C
     assert {"gpuq_jobs_per_s", "dashboard_jobs_per_s", "dashboard_ratio", "dashboard_serve_cpu_s",
             "dashboard_pages", "dashboard_fragments"} <= got.keys()
     assert got["dashboard_pages"] >= 4 and got["dashboard_fragments"] >= 1  # it did watch
+
+
+def test_failover_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """Synchronous and read-only failovers at a tiny size: every key, nothing lost, the verdict OK."""
+    from gpuq.bench.failover import KEYS
+    from tests.helpers import need_replica_tools
+
+    need_replica_tools()
+    parser = argparse.ArgumentParser(prog="gpuq bench")
+    bench.register(parser)
+    args = parser.parse_args(["failover", "--variants", "sync,readonly", "--seconds", "5", "--rate", "20",
+                              "--waiters", "2", "--wait-timeout", "15", "--drain-timeout", "20"])
+    code = args.bench(args)
+    out = capsys.readouterr().out
+    got = json.loads(out.rstrip("\n").splitlines()[-1])
+    assert got["bench"] == "failover" and list(got["variants"]) == ["sync", "readonly"]
+    for variant, figures in got["variants"].items():
+        assert set(KEYS) <= figures.keys(), variant
+        assert figures["enqueued"] > 0 and figures["recovery_s"] is not None, (variant, figures)
+        for key in ("lost", "id_mismatch", "not_done", "wrong", "serve_exits", "agent_exits", "waiters_failed"):
+            assert figures[key] == 0, (variant, key, figures)
+    assert code == 0, out

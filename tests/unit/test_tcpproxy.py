@@ -61,3 +61,20 @@ def test_closing_the_proxy_closes_its_connections(echo_port):
         assert sock.recv(4096) == b""
     except ConnectionResetError:
         pass  # closed with a reset: as closed
+
+
+def test_closing_a_black_hole_leaves_no_connection_pending(echo_port):
+    """Connections held by a black hole end with close(), not as "Task was destroyed" when the process exits."""
+    import asyncio
+
+    proxy = TcpProxy(echo_port).start()
+    held = socket.create_connection(("127.0.0.1", proxy.port), timeout=5)
+    assert _roundtrip(held) == b"ping"
+    proxy.black_hole()
+    new = socket.create_connection(("127.0.0.1", proxy.port), timeout=5)  # accepted, held before upstream
+    held.sendall(b"x")
+    new.sendall(b"y")
+    proxy.close()
+    assert not [t for t in asyncio.all_tasks(proxy._loop) if not t.done()]
+    held.close()
+    new.close()

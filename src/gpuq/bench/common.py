@@ -57,8 +57,11 @@ Body = Callable[[Target, argparse.Namespace], Awaitable[dict[str, Any]]]
 def declare(sub: Any, name: str, help: str, doc: str | None, args: Callable[[Any], None], body: Body,
             report: Callable[[dict[str, Any]], None] | None = None,
             failures: Callable[[dict[str, Any]], list[str]] | None = None,
-            summary: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
+            summary: Callable[[dict[str, Any]], dict[str, Any]] | None = None, database: bool = True) -> None:
     """Add ``gpuq bench NAME``: ``args(parser)`` adds its flags, ``body(target, args)`` measures.
+
+    ``database=False``: the bench builds its own PostgreSQL servers; it gets no
+    ``--database-url`` and its body an empty ``Target``.
 
     After the run, ``report(result)`` prints the table, the JSON line is
     ``summary(result)`` (default: the result), and the exit code is 1 when
@@ -66,14 +69,15 @@ def declare(sub: Any, name: str, help: str, doc: str | None, args: Callable[[Any
     """
     p = sub.add_parser(name, help=help, description=(doc or "").split("\n\n")[0] or None)
     args(p)
-    p.add_argument("--database-url", default=None,
-                   help="PostgreSQL to run on (default: $DATABASE_URL, else a throwaway embedded "
-                        "cluster). The bench DROPS and recreates the gpuq schema there.")
-    p.add_argument("--yes", action="store_true", help="confirm dropping the gpuq schema of the given database")
+    if database:
+        p.add_argument("--database-url", default=None,
+                       help="PostgreSQL to run on (default: $DATABASE_URL, else a throwaway embedded "
+                            "cluster). The bench DROPS and recreates the gpuq schema there.")
+        p.add_argument("--yes", action="store_true", help="confirm dropping the gpuq schema of the given database")
 
     def run(ns: argparse.Namespace) -> int:
         def once() -> int:
-            with target(ns) as t:
+            with target(ns) if database else contextlib.nullcontext(Target("", None)) as t:
                 result = anyio.run(body, t, ns, backend_options={"use_uvloop": use_uvloop()})
             if report is not None:
                 report(result)

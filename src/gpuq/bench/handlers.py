@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import tempfile
@@ -39,15 +41,20 @@ async def progress(job: Job) -> None:
 _exec_fd: int | None = None
 
 
-async def record(job: Job) -> dict[str, Any]:
-    """Chaos: log this execution (one O_APPEND write survives a SIGKILL), work a little,
-    return the lease token it ran with."""
+def _exec_log() -> int:
+    """This process's execution log (``$GPUQ_CHAOS_DIR/exec-PID.log``), opened for appending once."""
     global _exec_fd
     if _exec_fd is None:
         directory = os.environ.get(EXEC_DIR_ENV) or tempfile.gettempdir()
         _exec_fd = os.open(os.path.join(directory, f"exec-{os.getpid()}.log"),
                            os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.write(_exec_fd, f"{job.id} {job.lease_token} {os.getpid()}\n".encode())
+    return _exec_fd
+
+
+async def record(job: Job) -> dict[str, Any]:
+    """Chaos: log this execution (one O_APPEND write survives a SIGKILL), work a little,
+    return the lease token it ran with."""
+    os.write(_exec_log(), f"{job.id} {job.lease_token} {os.getpid()}\n".encode())
     work_s = float(os.environ.get(WORK_MS_ENV, "0") or 0) / 1000.0
     if work_s > 0:
         await anyio.sleep(random.uniform(0, 2 * work_s))
@@ -79,3 +86,18 @@ def busy_sync(job: Job) -> dict[str, float]:
     start = time.time()
     time.sleep(_sleep_seconds(job))
     return {"start": start, "end": time.time(), "pid": os.getpid()}
+
+
+def failover_answer(payload: Any) -> dict[str, Any]:
+    """``gpuq bench failover``: the one right result of a payload (the verdict checks every done job against it)."""
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    return {"n": payload.get("n") if isinstance(payload, dict) else None, "digest": digest}
+
+
+async def failover(job: Job) -> dict[str, Any]:
+    """``gpuq bench failover``: log this execution as ``id n pid`` (one O_APPEND write, like ``record``),
+    sleep ``payload["sleep"]`` seconds, return ``failover_answer(payload)``."""
+    payload = job.payload if isinstance(job.payload, dict) else {}
+    os.write(_exec_log(), f"{job.id} {payload.get('n')} {os.getpid()}\n".encode())
+    await anyio.sleep(float(payload.get("sleep", 0)))
+    return failover_answer(job.payload)

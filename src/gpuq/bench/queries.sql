@@ -245,3 +245,30 @@ FROM t;
 -- name: insert_one
 -- One job of kind $1: what a single-row producer commits.
 INSERT INTO gpuq.jobs (kind) VALUES ($1);
+
+-- name: failover_replication
+-- Failover: the primary's standbys, streaming or not, synchronous or not.
+SELECT state, sync_state FROM pg_stat_replication;
+
+-- name: failover_fence
+-- Failover, read-only fence: every new transaction of the old primary is read-only (applied by a reload).
+ALTER SYSTEM SET default_transaction_read_only = on;
+
+-- name: failover_reload
+-- Failover: apply postgresql.auto.conf.
+SELECT pg_reload_conf();
+
+-- name: failover_terminate
+-- Failover, read-only fence: end every client session (they reconnect and meet the fence).
+SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+WHERE backend_type = 'client backend' AND pid <> pg_backend_pid();
+
+-- name: failover_leased
+-- Failover: the jobs in flight, as the standby about to be promoted knows them.
+SELECT id FROM gpuq.jobs WHERE status = 'leased';
+
+-- name: failover_rows
+-- Failover: every job of kind $1 as the new primary has it, for the verdict.
+SELECT id, payload::text AS payload, status::text AS status, attempts, result::text AS result,
+       extract(epoch FROM finished_at)::float8 AS finished
+FROM gpuq.jobs WHERE kind = $1;
