@@ -21,7 +21,7 @@ from gpuq.agent.async_slots import AsyncSlots
 from gpuq.agent.handlers import Handler
 from gpuq.agent.slots import Slots
 from gpuq.agent.thread_slots import ThreadSlots
-from gpuq.loops import LoopBackoff, run_every
+from gpuq.loops import LoopBackoff, Outage, run_every
 from gpuq.protocol import Ack, Cancel, Error, Hello, Jobs, ServerDrain, Welcome
 from gpuq.protocol.agent_side import AgentProtocol, ThreadSafeAgentProtocol
 from gpuq.signals import stop_on_signal
@@ -137,7 +137,8 @@ class Agent:
                                 backoff=LoopBackoff(self.reconnect_min, self.reconnect_max),
                                 errors=(OSError, ConnectionClosed, TimeoutError, InvalidHandshake,
                                         protocol.ProtocolError),
-                                on_error=self._connection_lost, until=self._done, wake=self._reconnect_now)
+                                outage=Outage(log, "agent.connection_lost", agent=self.name),
+                                until=self._done, wake=self._reconnect_now)
             finally:
                 self._running = None
                 if self._deadline_timer is not None:
@@ -167,10 +168,6 @@ class Agent:
             await self._session()
         finally:
             self.protocol.connection_lost()
-
-    def _connection_lost(self, exc: BaseException, retry_in: float) -> None:
-        log.warning("agent.connection_lost", agent=self.name, error=str(exc) or type(exc).__name__,
-                    retry_in=retry_in)
 
     async def _session(self) -> None:
         try:

@@ -29,7 +29,7 @@ from gpuq.dispatcher.trigger import LeaseTrigger, Pass
 from gpuq.dispatcher.tuning import TUNING_DEFAULT, Tuning
 from gpuq.jobs import JobBackoff, LeasedJob
 from gpuq.latency import JobLatency
-from gpuq.loops import run_every
+from gpuq.loops import Outage, run_every
 from gpuq.protocol import Done, Failed, ProgressUpdate
 
 log = logs.get("dispatcher")
@@ -148,6 +148,7 @@ class Dispatcher:
 
     async def _lease_loop(self) -> None:
         await run_every(0, self._lease_once, errors=db.RETRYABLE_ERRORS, on_error=self._lease_failed,
+                        outage=Outage(log, "lease.failed"),
                         until=lambda: self.stopping)
 
     async def _lease_once(self) -> None:
@@ -163,7 +164,6 @@ class Dispatcher:
             raise
 
     def _lease_failed(self, exc: BaseException, retry_in: float) -> None:
-        log.warning("lease.failed", error=str(exc), retry_in=retry_in)
         self.trigger.lease_failed()
 
     async def lease_pass(self, why: Pass) -> None:

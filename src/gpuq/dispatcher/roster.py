@@ -33,7 +33,7 @@ from gpuq import db, logs
 from gpuq.dispatcher.sessions import AgentSession
 from gpuq.dispatcher.tuning import Tuning
 from gpuq.dispatcher.writer import Writer
-from gpuq.loops import run_every
+from gpuq.loops import Outage, run_every
 from gpuq.protocol import Device
 from gpuq.sql import queries
 
@@ -87,7 +87,8 @@ class Roster(Writer):
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: run_every(self.tuning.fleet_refresh_seconds, self.refresh,
-                                            errors=db.RETRYABLE_ERRORS, on_error=self._refresh_failed))
+                                            errors=db.RETRYABLE_ERRORS,
+                                            outage=Outage(log, "fleet.refresh_failed")))
             await super().run()
 
     async def write(self) -> None:
@@ -117,9 +118,6 @@ class Roster(Writer):
         """A clean stop: this server's rows go at once, not after the staleness bound."""
         self._queued.clear()
         await self.pool.execute(queries["fleet_drop"], self.server, None)
-
-    def _refresh_failed(self, exc: BaseException, retry_in: float) -> None:
-        log.warning("fleet.refresh_failed", error=str(exc), retry_in=retry_in)
 
     # -- the other servers' agents -------------------------------------------
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import anyio
 
 from gpuq import db, logs
-from gpuq.loops import run_every
+from gpuq.loops import Outage, run_every
 
 
 class Writer:
@@ -26,7 +26,8 @@ class Writer:
         self._wake.set()
 
     async def run(self) -> None:
-        await run_every(self.interval, self._write_when_woken, errors=db.RETRYABLE_ERRORS, on_error=self._failed)
+        await run_every(self.interval, self._write_when_woken, errors=db.RETRYABLE_ERRORS, on_error=self._failed,
+                        outage=Outage(logs.get(self.component), self.failed_event))
 
     async def _write_when_woken(self) -> None:
         await self._wake.wait()
@@ -37,6 +38,5 @@ class Writer:
         raise NotImplementedError
 
     def _failed(self, exc: BaseException, retry_in: float) -> None:
-        logs.get(self.component).warning(self.failed_event, error=str(exc), retry_in=retry_in)
         if self.retry_failed:
             self._wake.set()

@@ -23,7 +23,7 @@ import anyio
 
 from gpuq import logs
 from gpuq.db import RETRYABLE_ERRORS
-from gpuq.loops import run_every
+from gpuq.loops import Outage, run_every
 from gpuq.maintenance.deadlines import ExpireDeadlines
 from gpuq.maintenance.promote import PromoteDue
 from gpuq.maintenance.prune import PruneHistory
@@ -65,10 +65,8 @@ class Maintainer:
                 tg.start_soon(self._run_service, service)
 
     async def _run_service(self, service: Service) -> None:
-        def failed(exc: BaseException, retry_in: float) -> None:
-            log.warning("sweeper.tick_failed", service=service.name, error=str(exc), retry_in=retry_in)
-
-        await run_every(service.interval_seconds, service.run_once, errors=RETRYABLE_ERRORS, on_error=failed)
+        await run_every(service.interval_seconds, service.run_once, errors=RETRYABLE_ERRORS,
+                        outage=Outage(log, "sweeper.tick_failed", service=service.name))
 
 
 __all__ = ["INTERVAL_SECONDS", "Maintainer", "PromoteDue", "PruneHistory", "ReclaimExpired", "Service"]

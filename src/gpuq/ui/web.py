@@ -33,7 +33,7 @@ from gpuq import db, logs
 from gpuq.admin import LIST_WINDOW, retry_count, status_counts
 from gpuq.fleet import Fleet
 from gpuq.jobs import JobFilter
-from gpuq.loops import run_every
+from gpuq.loops import Outage, run_every
 from gpuq.ui import actions, auth, params, views
 from gpuq.ui.shared import Shared
 from gpuq.ui.trend import Trend
@@ -110,7 +110,7 @@ class Dashboard:
             self.trend.take(await status_counts(self.fleet.pool))
 
         await run_every(self.trend.sample_seconds, sample, errors=db.RETRYABLE_ERRORS,
-                        on_error=lambda exc, delay: log.warning("ui.sample_failed", error=str(exc), retry_in=delay))
+                        outage=Outage(log, "ui.sample_failed"))
 
     # -- HTTP ------------------------------------------------------------
 
