@@ -350,7 +350,7 @@ async def serve(
                 await server.wait_closed()
             tg.cancel_scope.cancel()
     finally:
-        await pool.close()
+        await db.close_pool(pool, tuning.shutdown_db_seconds)  # a hung database must not hold SIGTERM
     log.info("server.stopped")
 
 

@@ -119,3 +119,34 @@ def test_debug_lines_are_asked_for_once_per_batch_only_when_printed():
     finally:
         structlog.configure(**saved)
         logs._level = saved_level
+
+
+async def test_sigterm_ends_serve_while_its_database_hangs(dsn):
+    """The database stops answering and closes nothing (a black-holed proxy): SIGTERM still ends
+    `gpuq serve` within its drain deadline plus the bounded database shutdown. It once hung for
+    ever: statements cancelled on a frozen socket waited for a CancelRequest that never came
+    back, and the pool's graceful close with them."""
+    from urllib.parse import urlsplit
+
+    from gpuq.tcpproxy import TcpProxy
+
+    parts = urlsplit(dsn)
+    with TcpProxy(parts.port) as proxy:
+        through = dsn.replace(f"{parts.hostname}:{parts.port}", f"127.0.0.1:{proxy.port}")
+        proc, lines, port, ready = _start_serve(through, GPUQ_DRAIN_SECONDS="1")
+        try:
+            assert await anyio.to_thread.run_sync(ready.wait, 20) and port, proc.stderr.read()
+            proxy.black_hole()
+            await wait_until_logged(lines, '"listen.lost"')  # the dispatcher is stuck in the hang
+            proc.send_signal(signal.SIGTERM)
+            assert await anyio.to_thread.run_sync(lambda: proc.wait(30)) == 0  # generous: not for ever
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert any('"server.stopped"' in line for line in lines)
+
+
+async def wait_until_logged(lines: list[str], needle: str) -> None:
+    from tests.helpers import wait_for
+
+    await wait_for(lambda: any(needle in line for line in lines), timeout=30)
