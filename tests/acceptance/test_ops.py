@@ -10,7 +10,7 @@ import threading
 import anyio
 
 from gpuq.agent import Agent
-from tests.helpers import wait_count
+from tests.helpers import wait_count, wait_for
 
 
 def _start_serve(dsn, *extra, level="info", **more_env):
@@ -137,7 +137,7 @@ async def test_sigterm_ends_serve_while_its_database_hangs(dsn):
         try:
             assert await anyio.to_thread.run_sync(ready.wait, 20) and port, proc.stderr.read()
             proxy.black_hole()
-            await wait_until_logged(lines, '"listen.lost"')  # the dispatcher is stuck in the hang
+            await wait_for(lambda: _unhealthy(port[0]), timeout=30)  # its statements are stuck in the hang
             proc.send_signal(signal.SIGTERM)
             assert await anyio.to_thread.run_sync(lambda: proc.wait(30)) == 0  # generous: not for ever
         finally:
@@ -146,7 +146,10 @@ async def test_sigterm_ends_serve_while_its_database_hangs(dsn):
     assert any('"server.stopped"' in line for line in lines)
 
 
-async def wait_until_logged(lines: list[str], needle: str) -> None:
-    from tests.helpers import wait_for
+async def _unhealthy(port: int) -> bool:
+    from gpuq.harness import fetch
 
-    await wait_for(lambda: any(needle in line for line in lines), timeout=30)
+    try:
+        return (await anyio.to_thread.run_sync(lambda: fetch(f"http://127.0.0.1:{port}/healthz", timeout=3)))[0] == 503
+    except OSError:
+        return True  # no answer at all
