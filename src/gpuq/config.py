@@ -121,6 +121,13 @@ SETTINGS: tuple[Setting, ...] = (
             "a direct (session) PostgreSQL URL for LISTEN and migrations when DATABASE_URL is pooled; "
             "pooled without it, serve polls", {SERVE: "--direct-url", "migrate": "--direct-url"},
             shown="DATABASE_URL (pooled: none)"),
+    Setting("connect_timeout", "GPUQ_CONNECT_TIMEOUT", 5.0, parse_duration,
+            "each host of a (multi-host) DSN gets this long to connect and be what target_session_attrs "
+            "asks before the next is tried (0: no limit)", used_by="every command that connects"),
+    Setting("command_timeout", "GPUQ_COMMAND_TIMEOUT", 5.0, parse_duration,
+            "the longest any statement may take; the connection is then dropped, never reused: a hung "
+            "database is found this fast (0: no limit; migrations have none)",
+            used_by="every command that connects"),
     Setting("listen", "GPUQ_LISTEN", ("127.0.0.1", 8765), parse_listen,
             "host:port of /agent and the HTTP endpoints", {SERVE: "--listen"}, shown="`127.0.0.1:8765`"),
     Setting("tokens", "GPUQ_TOKENS", frozenset(), parse_tokens,

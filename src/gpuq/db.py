@@ -10,11 +10,14 @@ cache, and run each statement in a transaction that sets the guards first
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import asyncpg
 
 from gpuq import config
@@ -94,10 +97,11 @@ async def _keep_session(_conn: asyncpg.Connection) -> None:
 
 async def connect(dsn: str, *, direct: bool = False, pooler: bool | None = None, **kwargs: Any) -> Any:
     """A connection; ``Guarded`` through a transaction pooler (``pooler``, default from
-    ``GPUQ_POOLER``) unless ``direct``."""
+    ``GPUQ_POOLER``) unless ``direct``. ``command_timeout=None``: statements without a limit
+    (migrations, benches building tables); the default is ``GPUQ_COMMAND_TIMEOUT``."""
     is_pooled = (pooled() if pooler is None else pooler) and not direct
     try:
-        conn = await asyncpg.connect(dsn, **_session_kwargs(kwargs, is_pooled))
+        conn = await connect_hosts(dsn, **_session_kwargs(_with_timeouts(kwargs), is_pooled))
     except CONNECT_ERRORS as exc:
         raise DatabaseUnavailable(_unreachable(dsn, exc)) from None
     await _init_connection(conn)
@@ -110,7 +114,8 @@ async def create_pool(dsn: str, min_size: int = 1, max_size: int = 10, *, pooler
     is_pooled = pooled() if pooler is None else pooler
     try:
         pool = await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size, init=_init_connection,
-                                         reset=_keep_session, **_session_kwargs(kwargs, is_pooled))
+                                         reset=_keep_session, connect=connect_hosts, connection_class=Connection,
+                                         **_session_kwargs(_with_timeouts(kwargs), is_pooled))
     except CONNECT_ERRORS as exc:
         raise DatabaseUnavailable(_unreachable(dsn, exc)) from None
     return Guarded(pool) if is_pooled else pool
@@ -153,3 +158,143 @@ CONNECTION_LOST: tuple[type[BaseException], ...] = (
     DatabaseUnavailable, OSError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
     asyncpg.exceptions.OperatorInterventionError, asyncpg.exceptions.InternalClientError,
 )
+
+
+# -- hung and dead peers (docs/design.md, "Hung peers") -------------------------
+# A host that stops answering without closing its sockets (a partition, a frozen VM, a
+# hung proxy) is found by timeouts on our side only: its kernel may still acknowledge.
+
+# Idle sockets: a peer that really vanished is found by keepalive probes after
+# IDLE + INTERVAL * COUNT seconds, and data it never acknowledges after USER_TIMEOUT.
+KEEPALIVE_IDLE_SECONDS = 10
+KEEPALIVE_INTERVAL_SECONDS = 5
+KEEPALIVE_COUNT = 3
+TCP_USER_TIMEOUT_SECONDS = KEEPALIVE_IDLE_SECONDS + KEEPALIVE_INTERVAL_SECONDS * KEEPALIVE_COUNT
+# A LISTEN connection (the dispatcher's, a waiter's) says nothing while nothing happens:
+# this often it is asked something, bounded by the command timeout.
+LISTEN_PROBE_SECONDS = 5.0
+
+
+def _timeout(name: str) -> float | None:
+    value = config.get(name)
+    return float(value) if value else None  # 0: no limit
+
+
+def command_timeout() -> float | None:
+    """``GPUQ_COMMAND_TIMEOUT`` in seconds, None for no limit."""
+    return _timeout("command_timeout")
+
+
+def _with_timeouts(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """asyncpg's ``timeout`` is our per-host connect timeout; ``command_timeout`` bounds every
+    statement with a client-side timer (no round trip) unless the caller names its own."""
+    return {"timeout": _timeout("connect_timeout"), "command_timeout": command_timeout(), **kwargs}
+
+
+class Connection(asyncpg.Connection):  # type: ignore[misc]
+    """gpuq's connections: a statement that times out (or whose task is cancelled) costs its connection.
+
+    asyncpg would send a CancelRequest over a new connection and keep this one until it is
+    answered; to a hung host both wait, and the pool hands the connection out again. Here it
+    is terminated at once, and so are the pool's idle connections to the same host: they
+    share its fate, and each would cost another command timeout to find out.
+    """
+
+    async def _cancel(self, waiter: asyncio.Future[None], cancel_waiter: Any = None) -> None:
+        try:
+            holder = self._pool_holder() if getattr(self, "_pool_holder", None) else None
+            self.terminate()  # completes asyncpg's cancel waiters: a release does not wait
+            if holder is not None:
+                _drop_idle(holder._pool, self._addr)
+        finally:
+            self._cancellations.discard(asyncio.current_task(self._loop))
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+def _drop_idle(pool: asyncpg.Pool, addr: Any) -> None:
+    for holder in pool._holders:
+        con = holder._con
+        if con is not None and holder._in_use is None and con._addr == addr:
+            con.terminate()
+
+
+def _host_dsns(dsn: str) -> list[str]:
+    """One DSN per host of ``postgresql://user@h1:p1,h2:p2/db?...`` (libpq's multi-host URL);
+    a single-host DSN (or hosts given as ``?host=``) as it is."""
+    scheme, sep, rest = dsn.partition("://")
+    end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    creds, at, hosts = rest[:end].rpartition("@")
+    if not sep or "," not in hosts:
+        return [dsn]
+    return [f"{scheme}://{creds}{at}{host}{rest[end:]}" for host in hosts.split(",")]
+
+
+# The host that last took a connection, per DSN: new connections try it first, so a
+# failover costs one connect timeout on the old primary, not one per connection.
+_last_good: dict[str, int] = {}
+# A host that fails these is passed over for the next (libpq does the same).
+_NEXT_HOST: tuple[type[BaseException], ...] = (
+    OSError, NO_TARGET_HOST, asyncpg.CannotConnectNowError, asyncpg.ConnectionDoesNotExistError)
+
+
+async def connect_hosts(dsn: str, **kwargs: Any) -> asyncpg.Connection:
+    """asyncpg's connect, each host of a multi-host DSN with its own ``timeout`` (asyncpg's
+    one timeout covers every host: a black-holed first host spent it and the next was never
+    tried). Keepalives on the socket. The pool's ``connect``."""
+    hosts = _host_dsns(dsn)
+    first = _last_good.get(dsn, 0)
+    error: BaseException | None = None
+    for i in [first, *(i for i in range(len(hosts)) if i != first)]:
+        try:
+            conn = await asyncpg.connect(hosts[i], **{"connection_class": Connection, **kwargs})
+        except _NEXT_HOST as exc:
+            error = exc if error is None or not isinstance(exc, NO_TARGET_HOST) else error
+            continue
+        _last_good[dsn] = i
+        keep_alive(conn)
+        return conn
+    assert error is not None
+    raise error
+
+
+def keep_alive(conn: asyncpg.Connection) -> None:
+    """TCP keepalives (and TCP_USER_TIMEOUT on Linux) on a connection's socket: socket options,
+    so nothing is sent to the server (PgBouncer refuses unknown startup parameters)."""
+    sock = conn._transport.get_extra_info("socket") if conn._transport is not None else None
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_SECONDS), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_SECONDS),
+                          ("TCP_KEEPCNT", KEEPALIVE_COUNT), ("TCP_USER_TIMEOUT", TCP_USER_TIMEOUT_SECONDS * 1000)):
+        if hasattr(socket, option):  # Linux has them all; macOS lacks some
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
+async def close_pool(pool: Any, seconds: float) -> None:
+    """Close a pool gracefully for up to ``seconds``, then terminate what is left: a graceful
+    close waits for a hung host's answer for ever."""
+    inner = pool.inner if isinstance(pool, Guarded) else pool
+    with anyio.move_on_after(seconds):
+        await inner.close()  # cancelled, asyncpg terminates the pool
+    inner.terminate()
+
+
+async def close(conn: Any, seconds: float | None = None) -> None:
+    """Close a connection, gracefully for up to ``seconds`` (default: the command timeout)."""
+    with contextlib.suppress(Exception):
+        await conn.close(timeout=seconds or command_timeout() or 5.0)  # on timeout asyncpg aborts it
+    if not conn.is_closed():
+        conn.terminate()
+
+
+async def unlisten(conn: Any, channel: str, callback: Any) -> None:
+    """UNLISTEN, bounded by the command timeout (a connection that is not gpuq's has none):
+    on a frozen socket the connection is terminated instead."""
+    if conn.is_closed():
+        return
+    try:
+        async with asyncio.timeout(command_timeout() or 5.0):
+            await conn.remove_listener(channel, callback)
+    except CONNECTION_LOST:  # a TimeoutError among them
+        conn.terminate()

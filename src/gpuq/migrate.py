@@ -65,7 +65,7 @@ def load_migrations(directory: Path | None = None) -> list[Migration]:
 async def migrate(dsn: str, directory: Path | None = None) -> list[str]:
     """Apply every migration not yet applied; return the names applied now."""
     wanted = load_migrations(directory)
-    conn = await connect(dsn, direct=True)  # the advisory lock is a session's
+    conn = await connect(dsn, direct=True, command_timeout=None)  # the lock is a session's; DDL takes its time
     try:
         await conn.execute(queries["migrations_lock"], LOCK_KEY)
         try:

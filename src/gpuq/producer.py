@@ -18,7 +18,15 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from gpuq import admin, queue, wakeups
-from gpuq.db import CONNECTION_LOST, DatabaseUnavailable, connect
+from gpuq.db import (
+    CONNECTION_LOST,
+    LISTEN_PROBE_SECONDS,
+    DatabaseUnavailable,
+    close,
+    command_timeout,
+    connect,
+    unlisten,
+)
 from gpuq.jobs import NewJob
 from gpuq.loops import LoopBackoff
 from gpuq.sql import DB, queries
@@ -103,9 +111,11 @@ async def wait(db: DB | str, job_id: int, timeout: float | None = None,
     may be a DSN (a connection is opened for the wait), a pool (one of its
     connections is held while waiting) or a connection.
 
-    If the connection is lost (a restart, a failover), a wait on a DSN or a
-    pool connects again with backoff, LISTENs again and reads the job again,
-    until ``timeout``; a wait on a connection it was given raises the error.
+    If the connection is lost (a restart, a failover) or stops answering (a
+    silent connection is asked something every ``LISTEN_PROBE_SECONDS``, within
+    ``GPUQ_COMMAND_TIMEOUT``), a wait on a DSN or a pool connects again with
+    backoff, LISTENs again and reads the job again, until ``timeout``; a wait on
+    a connection it was given raises the error, and so does a DSN's first connect.
 
     ``on_progress(progress)`` (sync or async) streams the job's progress: it is
     called with the stored ``{fraction, message, data, attempt, at}`` when the
@@ -125,6 +135,8 @@ async def wait(db: DB | str, job_id: int, timeout: float | None = None,
                 except CONNECTION_LOST:
                     if not isinstance(db, str) and not hasattr(db, "acquire"):
                         raise  # the caller's connection: it is the caller's to replace
+                    if isinstance(db, str) and not waiter.started:
+                        raise  # a DSN that never connected: a wrong one, or the database is down
                 await asyncio.sleep(next(delays))
     except TimeoutError:
         raise WaitTimeout(job_id, f"job {job_id} did not end within {timeout} s") from None
@@ -136,11 +148,12 @@ class _Waiter:
     def __init__(self, job_id: int, on_progress: Callable[[dict[str, Any]], Any] | None):
         self.job_id, self.on_progress = job_id, on_progress
         self.shown: str | None = None  # the progress last passed to on_progress, as JSON text
+        self.started = False  # it has had a connection
 
     async def wait_on(self, conn: Any) -> Any:
         """Wait on this connection until the job ends (its result or error) or the connection is lost."""
         changed, lost = asyncio.Event(), asyncio.Event()
-        key = str(self.job_id)
+        key, self.started = str(self.job_id), True
 
         def on_notify(_c: Any, _pid: int, _channel: str, payload: str) -> None:
             if key in payload.split(","):
@@ -159,14 +172,13 @@ class _Waiter:
                 changed.clear()
                 if (outcome := await self._read(conn)) is not _PENDING:
                     return outcome
-                await changed.wait()
+                await _until(changed, conn)
                 if lost.is_set():
                     raise DatabaseUnavailable(f"the connection waiting for job {self.job_id} was lost")
         finally:
             conn.remove_termination_listener(on_lost)
-            if not conn.is_closed():
-                for channel in channels:
-                    await conn.remove_listener(channel, on_notify)
+            for channel in channels:  # bounded: an UNLISTEN on a frozen socket held waiters for ever
+                await unlisten(conn, channel, on_notify)
 
     async def _read(self, conn: Any) -> Any:
         """The job's result; its progress passed on; ``_PENDING`` while it has not ended."""
@@ -190,6 +202,22 @@ class _Waiter:
 _PENDING = object()  # the job has not ended yet
 
 
+async def _until(changed: asyncio.Event, conn: Any) -> None:
+    """Until ``changed``; a connection silent for LISTEN_PROBE_SECONDS is asked something, and
+    one that does not answer within the command timeout is dropped (a hung host sends no close)."""
+    while True:
+        try:
+            await asyncio.wait_for(changed.wait(), LISTEN_PROBE_SECONDS)
+            return
+        except TimeoutError:
+            pass
+        try:
+            await conn.fetchval(queries["ping"], timeout=command_timeout() or LISTEN_PROBE_SECONDS)
+        except TimeoutError:
+            conn.terminate()
+            raise DatabaseUnavailable("the connection waiting for a job stopped answering") from None
+
+
 async def _with(db: DB | str, call: Callable[[DB], Awaitable[T]]) -> T:
     """``call`` on ``db``, or on a connection opened (and closed) for it when ``db`` is a DSN."""
     if not isinstance(db, str):
@@ -198,4 +226,4 @@ async def _with(db: DB | str, call: Callable[[DB], Awaitable[T]]) -> T:
     try:
         return await call(conn)
     finally:
-        await conn.close()
+        await close(conn)

@@ -351,7 +351,7 @@ async def serve(
                 await dispatcher.leave()
             tg.cancel_scope.cancel()
     finally:
-        await pool.close()
+        await db.close_pool(pool, tuning.shutdown_db_seconds)  # a hung database must not hold SIGTERM
     log.info("server.stopped")
 
 

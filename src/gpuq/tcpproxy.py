@@ -55,6 +55,8 @@ class TcpProxy:
             self._call(self._shut())
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
+            if not self._thread.is_alive():
+                self._loop.close()
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
@@ -70,9 +72,12 @@ class TcpProxy:
         for w in list(self._writers):
             w.transport.abort()
         self._open.set()  # pumps held back see their sockets gone and end
-        # Let them end here, not be destroyed pending when the loop stops ("Task was destroyed" at exit).
-        if tasks := [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
-            await asyncio.wait(tasks, timeout=2)
+        # Connections still opening upstream end here, not when the collector finds them
+        # after the loop is gone (their cleanup then raised into whatever ran at the time).
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
     async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         self._writers.add(client_w)

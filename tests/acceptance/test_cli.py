@@ -241,6 +241,42 @@ def test_wait_from_the_shell(dsn):
     assert res.returncode == 1 and "was cancelled" in res.stderr
 
 
+async def test_wait_from_the_shell_goes_on_when_its_database_host_hangs(dsn, pool):
+    """`gpuq wait` on a multi-host DATABASE_URL whose first host stops answering (closing
+    nothing): its silent connection is probed, dropped, and the wait goes on on the next host."""
+    from urllib.parse import urlsplit
+
+    import anyio
+
+    from gpuq.sql import queries
+    from gpuq.tcpproxy import TcpProxy
+    from tests.helpers import add_pending, wait_for
+
+    parts = urlsplit(dsn)
+    [job_id] = await add_pending(pool, 1)
+
+    async def waiting() -> bool:
+        return await pool.fetchval("SELECT count(*) FROM pg_stat_activity WHERE state = 'idle' AND query = $1",
+                                   queries["job_outcome"]) >= 1
+
+    with TcpProxy(parts.port) as proxy:
+        hosts = f"127.0.0.1:{proxy.port},{parts.hostname}:{parts.port}"
+        env = {"DATABASE_URL": dsn.replace(f"{parts.hostname}:{parts.port}", hosts) + "?target_session_attrs=read-write",
+               "GPUQ_CONNECT_TIMEOUT": "1", "GPUQ_COMMAND_TIMEOUT": "1"}
+        async with anyio.create_task_group() as tg:
+            result = []
+
+            async def run():
+                result.append(await anyio.to_thread.run_sync(lambda: gpuq("wait", str(job_id), env=env, timeout=30)))
+
+            tg.start_soon(run)
+            await wait_for(waiting)
+            proxy.black_hole()
+            await pool.execute("UPDATE gpuq.jobs SET status = 'done', result = '{\"ok\": 1}' WHERE id = $1", job_id)
+    [res] = result
+    assert res.returncode == 0 and json.loads(res.stdout) == {"ok": 1}, res.stderr
+
+
 def test_kind_timeout_from_the_shell(dsn):
     env = {"DATABASE_URL": dsn}
     assert gpuq("kind-timeout", "render", "600", env=env).stdout.strip() == "render: default timeout 600 s"

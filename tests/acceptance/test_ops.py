@@ -10,7 +10,7 @@ import threading
 import anyio
 
 from gpuq.agent import Agent
-from tests.helpers import wait_count
+from tests.helpers import wait_count, wait_for
 
 
 def _start_serve(dsn, *extra, level="info", **more_env):
@@ -119,3 +119,37 @@ def test_debug_lines_are_asked_for_once_per_batch_only_when_printed():
     finally:
         structlog.configure(**saved)
         logs._level = saved_level
+
+
+async def test_sigterm_ends_serve_while_its_database_hangs(dsn):
+    """The database stops answering and closes nothing (a black-holed proxy): SIGTERM still ends
+    `gpuq serve` within its drain deadline plus the bounded database shutdown. It once hung for
+    ever: statements cancelled on a frozen socket waited for a CancelRequest that never came
+    back, and the pool's graceful close with them."""
+    from urllib.parse import urlsplit
+
+    from gpuq.tcpproxy import TcpProxy
+
+    parts = urlsplit(dsn)
+    with TcpProxy(parts.port) as proxy:
+        through = dsn.replace(f"{parts.hostname}:{parts.port}", f"127.0.0.1:{proxy.port}")
+        proc, lines, port, ready = _start_serve(through, GPUQ_DRAIN_SECONDS="1")
+        try:
+            assert await anyio.to_thread.run_sync(ready.wait, 20) and port, proc.stderr.read()
+            proxy.black_hole()
+            await wait_for(lambda: _unhealthy(port[0]), timeout=30)  # its statements are stuck in the hang
+            proc.send_signal(signal.SIGTERM)
+            assert await anyio.to_thread.run_sync(lambda: proc.wait(30)) == 0  # generous: not for ever
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert any('"server.stopped"' in line for line in lines)
+
+
+async def _unhealthy(port: int) -> bool:
+    from gpuq.harness import fetch
+
+    try:
+        return (await anyio.to_thread.run_sync(lambda: fetch(f"http://127.0.0.1:{port}/healthz", timeout=3)))[0] == 503
+    except OSError:
+        return True  # no answer at all

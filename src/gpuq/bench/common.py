@@ -161,7 +161,7 @@ async def fleet_on(dsn: str) -> AsyncIterator[tuple[Fleet, Any, dict[str, str]]]
     the fleet is stopped and the connection closed on exit."""
     await reset_gpuq_schema(dsn)
     fleet = Fleet(dsn)
-    conn = await connect(dsn)
+    conn = await connect(dsn, command_timeout=None)  # it seeds tables: no GPUQ_COMMAND_TIMEOUT
     try:
         yield fleet, conn, await server_settings(conn)
     finally:

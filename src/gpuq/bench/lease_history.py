@@ -74,7 +74,7 @@ async def run(dsn: str, done_sizes: list[int], batch: int, repeat: int,
     settings: dict[str, str] = {}
     for done in sorted(set(done_sizes)):
         await common.reset_gpuq_schema(dsn)
-        conn = await connect(dsn)
+        conn = await connect(dsn, command_timeout=None)  # builds millions of rows: no GPUQ_COMMAND_TIMEOUT
         try:
             settings = await common.server_settings(conn)
             build_s = await _build(conn, done)

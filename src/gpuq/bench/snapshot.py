@@ -49,7 +49,8 @@ def register(sub: Any) -> None:
 
 async def run(dsn: str, pending: int, jobs: int, batch: int, hold_snapshot: bool) -> dict[str, Any]:
     await common.reset_gpuq_schema(dsn)
-    conn, other = await connect(dsn, direct=True), await connect(dsn, direct=True)
+    conn, other = (await connect(dsn, direct=True, command_timeout=None),  # seeds and VACUUMs
+                   await connect(dsn, direct=True, command_timeout=None))
     try:
         settings = await common.server_settings(conn)
         await conn.execute(common.queries["insert_pending"], KIND, pending)

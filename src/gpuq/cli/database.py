@@ -38,10 +38,12 @@ def on_db(args: argparse.Namespace, call: Callable[[Any], Awaitable[T]]) -> T:
     """``call(conn)`` on a connection to the command's database, closed afterwards."""
 
     async def run() -> T:
+        from gpuq import db
+
         conn = await connect(args)
         try:
             return await call(conn)
         finally:
-            await conn.close()
+            await db.close(conn)
 
     return anyio.run(run)

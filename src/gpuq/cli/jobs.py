@@ -8,8 +8,10 @@ import json
 import sys
 from typing import Any
 
+import anyio
+
 from gpuq import config
-from gpuq.cli.database import on_db
+from gpuq.cli.database import dsn, on_db, pooled
 from gpuq.cli.errors import CLIError
 from gpuq.cli.output import table
 
@@ -92,7 +94,10 @@ def cmd_wait(args: argparse.Namespace) -> int:
 
     on_progress = show_progress if args.progress else None
     try:
-        result = on_db(args, lambda conn: wait(conn, args.id, args.timeout, on_progress=on_progress))
+        if pooled(args):
+            result = on_db(args, lambda conn: wait(conn, args.id, args.timeout, on_progress=on_progress))
+        else:  # on the DSN: a lost or hung connection is replaced, the wait goes on
+            result = anyio.run(lambda: wait(dsn(args), args.id, args.timeout, on_progress=on_progress))
     except JobError as exc:
         raise CLIError(str(exc)) from None
     print(json.dumps(result))

@@ -62,6 +62,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from gpuq import db
+    from gpuq.dispatcher.tuning import TUNING_DEFAULT
     from gpuq.maintenance import Maintainer
 
     interval = config.get("sweep_seconds", flag=args.sweep_seconds)
@@ -82,7 +83,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                 await stop.wait()
                 tg.cancel_scope.cancel()
         finally:
-            await pool.close()
+            await db.close_pool(pool, TUNING_DEFAULT.shutdown_db_seconds)
 
     run_service(run)
     return 0

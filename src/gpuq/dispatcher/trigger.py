@@ -188,10 +188,10 @@ class LeaseTrigger:
             log.info("listen.connected", channel=wakeups.NOTIFY_CHANNEL)
             self.wake_all(rewind=True)  # anything inserted while we were not listening
             while not lost.is_set():
-                with anyio.move_on_after(5):
+                with anyio.move_on_after(self.tuning.listen_probe_seconds):
                     await lost.wait()
-                if not lost.is_set():
-                    await conn.execute(queries["ping"], timeout=5)  # catch a half-open socket
+                if not lost.is_set():  # a hung or half-open socket: the probe times out, we reconnect
+                    await conn.execute(queries["ping"], timeout=db.command_timeout() or db.LISTEN_PROBE_SECONDS)
         finally:
             self.listening = False
             if conn is not None and not conn.is_closed():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpuq.db import LISTEN_PROBE_SECONDS
 from gpuq.protocol import server_side
 
 # How long one arm of the wake-up mark asks producers to NOTIFY; an idle
@@ -40,6 +41,9 @@ PROGRESS_WRITE_SECONDS_DEFAULT = 1.0
 # commit outcomes and give jobs back: a hung database must not hold SIGTERM. What is not written
 # by then is left to lease expiry (the sweeper), nothing else.
 SHUTDOWN_DB_SECONDS_DEFAULT = 5.0
+# How long the LISTEN connection may stay silent before it is asked something (bounded by
+# the command timeout): a hung one is found within this plus GPUQ_COMMAND_TIMEOUT.
+LISTEN_PROBE_SECONDS_DEFAULT = LISTEN_PROBE_SECONDS
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class Tuning:
     fleet_stale_seconds: float = FLEET_STALE_SECONDS_DEFAULT
     fleet_read_seconds: float = FLEET_READ_SECONDS_DEFAULT
     shutdown_db_seconds: float = SHUTDOWN_DB_SECONDS_DEFAULT
+    listen_probe_seconds: float = LISTEN_PROBE_SECONDS_DEFAULT
     # The connection rules' own defaults (protocol/server_side.py), for the server to pass on.
     hello_timeout_seconds: float = server_side.HELLO_TIMEOUT_SECONDS
     max_errors_per_connection: int = server_side.MAX_ERRORS_PER_CONNECTION
