@@ -93,6 +93,8 @@ async def run_every(
         try:
             await step()
         except errors as exc:
+            if outage is not None and outage.since is None:
+                delays = backoff.delays()  # a new outage (one ended in the step) backs off afresh
             wait = next(delays)
             if outage is not None:
                 outage.failed(exc, round(wait, 3))

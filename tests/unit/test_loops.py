@@ -41,3 +41,24 @@ def test_a_long_outage_is_recalled_now_and_then():
         outage.failed(OSError("down"), 1.0)
     assert [level for level, _, _ in log.lines] == ["warning"] * 3
     assert log.lines[-1][2]["failures"] == 3
+
+
+async def test_an_outage_ended_inside_a_long_step_starts_the_backoff_afresh():
+    """A LISTEN step holds its connection for hours and ends only by failing: each loss after a
+    reconnect is a new outage, retried at the first delay, not at the last one's capped delay."""
+    log = _Lines()
+    outage = Outage(log, "listen.lost")
+    waits = []
+    left = [4]
+
+    async def step():
+        left[0] -= 1
+        outage.ended()  # connected and listening: the outage (if any) is over
+        raise OSError("closed")
+
+    with anyio.fail_after(5):
+        await run_every(0, step, backoff=LoopBackoff(first=0.001, cap=1.0, jitter=0), errors=(OSError,),
+                        outage=outage, on_error=lambda exc, retry_in: waits.append(retry_in),
+                        until=lambda: left[0] == 0)
+    assert waits == [0.001] * 4
+    assert [e for level, e, _ in log.lines if level == "warning"] == ["listen.lost"] * 4

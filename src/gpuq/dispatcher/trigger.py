@@ -26,7 +26,7 @@ import anyio
 from gpuq import db, logs, metrics, wakeups
 from gpuq.config import ServerConfig
 from gpuq.dispatcher.tuning import Tuning
-from gpuq.loops import LoopBackoff, run_every
+from gpuq.loops import LoopBackoff, Outage, run_every
 from gpuq.sql import queries
 
 log = logs.get("dispatcher")
@@ -167,12 +167,14 @@ class LeaseTrigger:
     # -- LISTEN ------------------------------------------------------------
 
     async def listen(self) -> None:
-        """Hold one LISTEN connection, reconnected with backoff, until cancelled."""
-        await run_every(0.1, self._listen_once, backoff=LoopBackoff(first=0.1), errors=db.RETRYABLE_ERRORS,
-                        on_error=lambda exc, retry_in: log.warning("listen.lost", error=str(exc), retry_in=retry_in))
+        """Hold one LISTEN connection, reconnected with backoff, until cancelled. Its loss and the
+        failed reconnects after it are one outage: logged when it begins and when LISTEN is back."""
+        outage = Outage(log, "listen.lost")
+        await run_every(0.1, lambda: self._listen_once(outage), backoff=LoopBackoff(first=0.1),
+                        errors=db.RETRYABLE_ERRORS, outage=outage)
 
-    async def _listen_once(self) -> None:
-        """Hold one LISTEN connection until it is lost."""
+    async def _listen_once(self, outage: Outage) -> None:
+        """Hold one LISTEN connection until it is lost (an error: the loss is an outage)."""
         conn = None
         try:
             assert self.config.listen_url is not None
@@ -186,12 +188,14 @@ class LeaseTrigger:
             self._mark_seen, self._arm_at = 0, 0.0  # notifications were lost: a full handshake
             self.listening = True
             log.info("listen.connected", channel=wakeups.NOTIFY_CHANNEL)
+            outage.ended()
             self.wake_all(rewind=True)  # anything inserted while we were not listening
             while not lost.is_set():
                 with anyio.move_on_after(self.tuning.listen_probe_seconds):
                     await lost.wait()
                 if not lost.is_set():  # a hung or half-open socket: the probe times out, we reconnect
                     await conn.execute(queries["ping"], timeout=db.command_timeout() or db.LISTEN_PROBE_SECONDS)
+            raise ConnectionError("the LISTEN connection was closed")
         finally:
             self.listening = False
             if conn is not None and not conn.is_closed():
