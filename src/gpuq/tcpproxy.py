@@ -80,6 +80,12 @@ class TcpProxy:
         await asyncio.gather(*pending, return_exceptions=True)
 
     async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        # Cancelled by close(), it returns: asyncio 3.11's stream callback calls exception() on the
+        # task, which raises for a cancelled one and printed a traceback per connection.
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._relay(client_r, client_w)
+
+    async def _relay(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         self._writers.add(client_w)
         try:
             await self._open.wait()  # a black hole accepts, and then says nothing

@@ -3,6 +3,7 @@
 import socket
 import socketserver
 import threading
+import time
 
 import pytest
 
@@ -78,3 +79,16 @@ def test_closing_a_black_hole_leaves_no_connection_pending(echo_port):
     assert not [t for t in asyncio.all_tasks(proxy._loop) if not t.done()]
     held.close()
     new.close()
+
+
+def test_closing_a_black_hole_prints_no_traceback(echo_port, caplog):
+    proxy = TcpProxy(echo_port).start()
+    proxy.black_hole()
+    held = [socket.create_connection(("127.0.0.1", proxy.port), timeout=5) for _ in range(3)]
+    deadline = time.monotonic() + 5
+    while len(proxy._writers) < 3 and time.monotonic() < deadline:  # accepted, held in the hole
+        time.sleep(0.01)
+    proxy.close()
+    for sock in held:
+        sock.close()
+    assert not [r for r in caplog.records if "Exception in callback" in r.getMessage()]
