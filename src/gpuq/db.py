@@ -14,8 +14,10 @@ import asyncio
 import contextlib
 import json
 import socket
+import time
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
 import asyncpg
@@ -200,6 +202,24 @@ class Connection(asyncpg.Connection):  # type: ignore[misc]
     share its fate, and each would cost another command timeout to find out.
     """
 
+    async def execute(self, query: str, *args: Any, timeout: float | None = None) -> str:
+        with self._timing_out():
+            return await super().execute(query, *args, timeout=timeout)  # type: ignore[no-any-return]
+
+    async def _execute(self, *args: Any, **kwargs: Any) -> Any:  # fetch, fetchrow, fetchval, execute with args
+        with self._timing_out():
+            return await super()._execute(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _timing_out(self) -> Any:
+        """A statement that times out makes its host a suspect: new connections try it last."""
+        try:
+            yield
+        except TimeoutError:
+            if isinstance(self._addr, tuple):
+                _suspect(f"{self._addr[0]}:{self._addr[1]}")
+            raise
+
     async def _cancel(self, waiter: asyncio.Future[None], cancel_waiter: Any = None) -> None:
         try:
             holder = self._pool_holder() if getattr(self, "_pool_holder", None) else None
@@ -233,6 +253,29 @@ def _host_dsns(dsn: str) -> list[str]:
 # The host that last took a connection, per DSN: new connections try it first, so a
 # failover costs one connect timeout on the old primary, not one per connection.
 _last_good: dict[str, int] = {}
+# A host whose connect or statement timed out is tried after the others for this long: the
+# old primary of a failover may hang, and each try of it costs a timeout.
+SUSPECT_SECONDS = 60.0
+_suspects: dict[str, float] = {}  # "host:port" -> until when it is tried last
+
+
+def _suspect(host: str) -> None:
+    _suspects[host] = time.monotonic() + SUSPECT_SECONDS
+
+
+def _host_of(host_dsn: str) -> str:
+    parts = urlsplit(host_dsn)
+    return f"{parts.hostname}:{parts.port or 5432}"
+
+
+def _host_order(dsn: str, hosts: list[str]) -> list[int]:
+    """The last good host first, then the others in the DSN's order; suspects after them all."""
+    first = _last_good.get(dsn, 0)
+    order = [first, *(i for i in range(len(hosts)) if i != first)]
+    if len(hosts) > 1:
+        now = time.monotonic()
+        order.sort(key=lambda i: _suspects.get(_host_of(hosts[i]), 0.0) > now)  # stable
+    return order
 # A host that fails these is passed over for the next (libpq does the same).
 _NEXT_HOST: tuple[type[BaseException], ...] = (
     OSError, NO_TARGET_HOST, asyncpg.CannotConnectNowError, asyncpg.ConnectionDoesNotExistError)
@@ -243,12 +286,13 @@ async def connect_hosts(dsn: str, **kwargs: Any) -> asyncpg.Connection:
     one timeout covers every host: a black-holed first host spent it and the next was never
     tried). Keepalives on the socket. The pool's ``connect``."""
     hosts = _host_dsns(dsn)
-    first = _last_good.get(dsn, 0)
     error: BaseException | None = None
-    for i in [first, *(i for i in range(len(hosts)) if i != first)]:
+    for i in _host_order(dsn, hosts):
         try:
             conn = await asyncpg.connect(hosts[i], **{"connection_class": Connection, **kwargs})
         except _NEXT_HOST as exc:
+            if isinstance(exc, TimeoutError) and len(hosts) > 1:
+                _suspect(_host_of(hosts[i]))
             error = exc if error is None or not isinstance(exc, NO_TARGET_HOST) else error
             continue
         _last_good[dsn] = i

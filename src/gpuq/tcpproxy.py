@@ -22,6 +22,7 @@ class TcpProxy:
     def __init__(self, target_port: int, target_host: str = "127.0.0.1"):
         self.target = (target_host, target_port)
         self.port = 0
+        self.accepted = 0  # connections taken, black hole or not
         self._loop = asyncio.new_event_loop()
         self._open = asyncio.Event()
         self._open.set()
@@ -87,6 +88,7 @@ class TcpProxy:
 
     async def _relay(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         self._writers.add(client_w)
+        self.accepted += 1
         try:
             await self._open.wait()  # a black hole accepts, and then says nothing
             if self._closing:

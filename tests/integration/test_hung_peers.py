@@ -72,6 +72,24 @@ async def test_a_statement_on_a_hung_host_times_out_and_its_pool_connections_are
                 assert port_of(c) == real and await c.fetchval("SELECT 1") == 1
 
 
+async def test_after_a_statement_timed_out_on_a_host_new_connections_try_it_last(dsn, proxy, fast_timeouts):
+    """The old primary of a failover hangs: each new connection that tried it first (it was the
+    last good host) spent a connect timeout there. A host whose statement timed out is a suspect
+    for a while: new connections go to the others first and never reach it."""
+    real = urlsplit(dsn).port
+    both = via(dsn, proxy.port, real)
+    async with await db.create_pool(both, min_size=1, max_size=1) as pool:
+        assert await pool.fetchval("SELECT inet_server_port()") is not None  # through the proxy
+        proxy.black_hole()
+        with anyio.fail_after(4), pytest.raises(TimeoutError):
+            await pool.fetchval("SELECT 1")
+        tried = proxy.accepted
+        with anyio.fail_after(8):
+            conn = await db.connect(both)
+        assert port_of(conn) == real and proxy.accepted == tried
+        await conn.close()
+
+
 async def test_database_sockets_keep_alive_direct_and_through_a_pooler(dsn):
     """Keepalives are socket options: nothing is sent to the server, so PgBouncer is unaffected."""
     for pooler in (False, True):
