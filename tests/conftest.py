@@ -69,8 +69,9 @@ async def pool(dsn: str) -> AsyncIterator[asyncpg.Pool]:
 
 @pytest.fixture
 async def live_conn(dsn: str) -> AsyncIterator[asyncpg.Connection]:
-    """A plain connection on a fresh schema: what it does commits."""
-    c = await db.connect(dsn)
+    """A plain connection on a fresh schema: what it does commits. Like ``conn``, no command
+    timeout: tests load big histories through it (tests/integration/test_hung_peers.py tests it)."""
+    c = await db.connect(dsn, command_timeout=None)
     yield c  # pytest comes back here after the test, failed or not
     await c.close()
 
@@ -79,7 +80,7 @@ async def live_conn(dsn: str) -> AsyncIterator[asyncpg.Connection]:
 async def conn(server_dsn: str) -> AsyncIterator[asyncpg.Connection]:
     """A connection in a transaction on an empty, migrated schema; rolled back afterwards."""
     await migrate(server_dsn)  # "up to date" unless a test dropped the schema
-    c = await db.connect(server_dsn)
+    c = await db.connect(server_dsn, command_timeout=None)
     tx = c.transaction()
     await tx.start()
     try:

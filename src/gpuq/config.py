@@ -126,7 +126,8 @@ SETTINGS: tuple[Setting, ...] = (
             "asks before the next is tried (0: no limit)", used_by="every command that connects"),
     Setting("command_timeout", "GPUQ_COMMAND_TIMEOUT", 5.0, parse_duration,
             "the longest any statement may take; the connection is then dropped, never reused: a hung "
-            "database is found this fast (0: no limit; migrations have none)",
+            "database is found this fast (0: no limit; migrations have none; a bulk enqueue gets 1 s "
+            "per 2,000 rows when longer)",
             used_by="every command that connects"),
     Setting("listen", "GPUQ_LISTEN", ("127.0.0.1", 8765), parse_listen,
             "host:port of /agent and the HTTP endpoints", {SERVE: "--listen"}, shown="`127.0.0.1:8765`"),

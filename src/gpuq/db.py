@@ -58,12 +58,12 @@ class Guarded:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def _run(self, method: str, query: str, args: tuple[Any, ...]) -> Any:
+    async def _run(self, method: str, query: str, args: tuple[Any, ...], timeout: float | None = None) -> Any:
         async with transaction(self) as conn:
-            return await getattr(conn, method)(query, *args)
+            return await getattr(conn, method)(query, *args, timeout=timeout)
 
-    async def fetch(self, query: str, *args: Any) -> Any:
-        return await self._run("fetch", query, args)
+    async def fetch(self, query: str, *args: Any, timeout: float | None = None) -> Any:
+        return await self._run("fetch", query, args, timeout)
 
     async def fetchrow(self, query: str, *args: Any) -> Any:
         return await self._run("fetchrow", query, args)
@@ -185,6 +185,18 @@ def _timeout(name: str) -> float | None:
 def command_timeout() -> float | None:
     """``GPUQ_COMMAND_TIMEOUT`` in seconds, None for no limit."""
     return _timeout("command_timeout")
+
+
+# A statement writing many rows (a bulk enqueue) is bounded by its size: this many rows a
+# second, when that is longer than the command timeout.
+BULK_ROWS_PER_SECOND = 2000
+
+
+def bulk_timeout(rows: int) -> float | None:
+    """The ``timeout=`` for a statement writing ``rows`` rows: None (the connection's command
+    timeout) unless its size needs longer."""
+    base = command_timeout()
+    return rows / BULK_ROWS_PER_SECOND if base is not None and rows / BULK_ROWS_PER_SECOND > base else None
 
 
 def _with_timeouts(kwargs: dict[str, Any]) -> dict[str, Any]:

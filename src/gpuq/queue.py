@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from gpuq.db import bulk_timeout
 from gpuq.jobs import FailOutcome, JobBackoff, LeasedJob, LeaseResult, Moved, NewJob, Shape
 from gpuq.plans import lease_args
 from gpuq.sql import DB, queries
@@ -56,12 +57,13 @@ async def enqueue_many(db: DB, jobs: Sequence[NewJob]) -> list[int]:
         return []
     keyed = [i for i, j in enumerate(jobs) if j.dedup_key is not None]
     if not keyed:
-        rows = await db.fetch(queries["enqueue_plain"], *_columns(jobs))
+        rows = await db.fetch(queries["enqueue_plain"], *_columns(jobs), timeout=bulk_timeout(len(jobs)))
         return [r["id"] for r in rows]
     ids: list[int] = [0] * len(jobs)
     plain = [i for i, j in enumerate(jobs) if j.dedup_key is None]
     if plain:
-        rows = await db.fetch(queries["enqueue_plain"], *_columns([jobs[i] for i in plain]))
+        rows = await db.fetch(queries["enqueue_plain"], *_columns([jobs[i] for i in plain]),
+                              timeout=bulk_timeout(len(plain)))
         for i, r in zip(plain, rows, strict=True):
             ids[i] = r["id"]
     # Repeats of one key inside the batch: the first occurrence decides.
@@ -78,7 +80,7 @@ async def enqueue_many(db: DB, jobs: Sequence[NewJob]) -> list[int]:
 
 async def _enqueue_dedup(db: DB, jobs: Sequence[NewJob]) -> list[int]:
     for _ in range(5):
-        rows = await db.fetch(queries["enqueue_dedup"], *_columns(jobs))
+        rows = await db.fetch(queries["enqueue_dedup"], *_columns(jobs), timeout=bulk_timeout(len(jobs)))
         ids = [r["id"] for r in rows]
         if None not in ids:
             return ids

@@ -7,7 +7,7 @@ import asyncpg
 import pytest
 
 import gpuq
-from gpuq import queue, wakeups
+from gpuq import db, queue, wakeups
 from gpuq.jobs import NewJob
 from tests.helpers import job
 
@@ -98,3 +98,13 @@ async def test_the_table_refuses_bad_rows_from_plain_sql(conn):
         with pytest.raises(asyncpg.CheckViolationError):
             async with conn.transaction():  # a savepoint: the test's transaction goes on
                 await conn.execute(bad)
+
+
+async def test_a_bulk_enqueue_is_bounded_by_its_size_not_the_command_timeout(dsn, monkeypatch):
+    """GPUQ_COMMAND_TIMEOUT bounds each statement so a hung database is found fast; an enqueue of
+    many jobs in one statement gets longer (db.BULK_ROWS_PER_SECOND), or it could never pass."""
+    monkeypatch.setenv("GPUQ_COMMAND_TIMEOUT", "0.05")
+    async with await db.create_pool(dsn, min_size=1, max_size=1) as pool:
+        ids = await queue.enqueue_many(pool, [NewJob("bulk", {"i": i}) for i in range(20_000)])
+        assert len(set(ids)) == 20_000
+        assert await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE kind = 'bulk'", timeout=30) == 20_000
