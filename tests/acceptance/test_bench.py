@@ -60,11 +60,21 @@ def test_throughput_json_with_pgqueuer(server_dsn: str, capsys: pytest.CaptureFi
     pytest.importorskip("pgqueuer")
     pytest.importorskip("psutil")
     got = run_bench(capsys, server_dsn, "throughput", "--jobs", "300", "--agents", "1",
-                    "--capacity", "16", "--compare", "pgqueuer", "--pgq-workers", "1")
+                    "--capacity", "16", "--compare", "pgqueuer", "--pgq-workers", "1", "--rounds", "2")
     assert got["bench"] == "throughput" and got["jobs"] == 300
     assert {"gpuq_jobs_per_s", "pgqueuer_jobs_per_s", "ratio", "raw_jobs_per_s",
-            "fraction_of_raw", "serve_cpu_s"} <= got.keys()
+            "fraction_of_raw", "serve_cpu_s", "gpuq_jobs_per_s_worst", "ratio_worst"} <= got.keys()
     assert got["agents_used"] == 1
+    rounds = got["rounds"]
+    assert len(rounds) == 2
+    assert got["gpuq_jobs_per_s"] == pytest.approx(sum(r["gpuq_jobs_per_s"] for r in rounds) / 2, abs=0.01)
+    assert got["gpuq_jobs_per_s_worst"] == min(r["gpuq_jobs_per_s"] for r in rounds)
+    cpu = got["cpu_us_per_job"]
+    assert set(cpu) == {"gpuq", "pgqueuer"}
+    assert set(cpu["gpuq"]) == {"serve", "agents", "postgres", "total"}
+    assert set(cpu["pgqueuer"]) == {"consumers", "postgres", "total"}
+    one = rounds[0]
+    assert one["cpu_us_per_job"]["gpuq"]["serve"] == round(one["serve_cpu_s"] * 1e6 / 300, 1)
 
 
 def test_latency_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -23,6 +23,13 @@ reports its jobs/s against the plain run and, for both, the jobs/s of the last
 (``gpuq.bench.dashboard``: the overview's live socket open, four pages
 reloaded every 2 s) and reports its jobs/s against the plain run
 (``dashboard_ratio``, issue #18).
+
+``cpu_us_per_job``: CPU microseconds per job of each component, for gpuq
+(serve, agents, PostgreSQL) and pgqueuer (consumers, PostgreSQL).
+``--rounds N`` runs all of it N times, alternated (gpuq, raw, pgqueuer, then
+again), so one noisy run does not decide a figure: each figure is the median
+of the rounds, ``*_worst`` the worst round beside it, and ``rounds`` lists
+every round (issue #30).
 """
 
 from __future__ import annotations
@@ -64,11 +71,18 @@ def register(sub: Any) -> None:
                        help="also run gpuq with one dashboard client open (live overview, pages reloaded every 2 s)")
         p.add_argument("--old-snapshot", action="store_true",
                        help="also run gpuq with a REPEATABLE READ snapshot held open throughout")
+        common.positive(p, "--rounds", 1, "alternated rounds; figures are their medians, the worst beside")
 
     async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
-        return await run(t.dsn, a.jobs, a.agents, a.capacity, a.mode, a.compare,
-                         pgq=dict(batch_size=a.pgq_batch, workers=a.pgq_workers, processes=a.pgq_processes),
-                         with_raw=not a.no_raw, old_snapshot=a.old_snapshot, dashboard=a.dashboard)
+        rounds = []
+        for i in range(a.rounds):
+            if a.rounds > 1:
+                common.progress(f"round {i + 1} of {a.rounds}")
+            rounds.append(await run(t.dsn, a.jobs, a.agents, a.capacity, a.mode, a.compare,
+                                    pgq=dict(batch_size=a.pgq_batch, workers=a.pgq_workers,
+                                             processes=a.pgq_processes),
+                                    with_raw=not a.no_raw, old_snapshot=a.old_snapshot, dashboard=a.dashboard))
+        return summarize(rounds)
 
     common.declare(sub, "throughput", "end-to-end jobs/s through serve + agent processes (optionally vs pgqueuer)",
             __doc__, args, body, report)
@@ -116,8 +130,45 @@ async def run(dsn: str, jobs: int, agents: int, capacity: int, mode: str = "bulk
             "pgqueuer_version": peer_pgqueuer.version(),
             "ratio": round(gpuq["jobs_per_s"] / peer["jobs_per_s"], 3),
         })
+    result["cpu_us_per_job"] = cpu_per_job(result)
     result["postgres"] = gpuq["settings"]
     return result
+
+
+def cpu_per_job(r: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """CPU microseconds per job of each component of each system in one round."""
+    def per_job(parts: dict[str, float]) -> dict[str, float]:
+        us = {k: round(v * 1e6 / r["jobs"], 1) for k, v in parts.items()}
+        return {**us, "total": round(sum(us.values()), 1)}
+
+    out = {"gpuq": per_job({"serve": r["serve_cpu_s"], "agents": r["agents_cpu_s"], "postgres": r["postgres_cpu_s"]})}
+    if "pgqueuer_cpu_s" in r:
+        out["pgqueuer"] = per_job({"consumers": r["pgqueuer_cpu_s"], "postgres": r["pgqueuer_postgres_cpu_s"]})
+    return out
+
+
+# Figures whose worst round is the lowest; every other number's median is reported as is.
+HIGHER_IS_BETTER = ("gpuq_jobs_per_s", "pgqueuer_jobs_per_s", "raw_jobs_per_s", "ratio", "fraction_of_raw",
+                    "snapshot_ratio", "dashboard_ratio", "tail_ratio")
+
+
+def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One round as it is; several: each number the median of the rounds, the worst beside the
+    figures that have one, and every round listed."""
+    if len(rounds) == 1:
+        return rounds[0]
+    out = dict(rounds[0])
+    for key, value in rounds[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("jobs", "agents", "capacity"):
+            values = [r[key] for r in rounds]
+            out[key] = value if len(set(values)) == 1 else round(common.median(values), 3)
+            if key in HIGHER_IS_BETTER:
+                out[f"{key}_worst"] = min(values)
+    out["cpu_us_per_job"] = {system: {part: round(common.median([r["cpu_us_per_job"][system][part] for r in rounds]), 1)
+                                      for part in parts}
+                             for system, parts in rounds[0]["cpu_us_per_job"].items()}
+    out["rounds"] = [{k: v for k, v in r.items() if k != "postgres"} for r in rounds]
+    return out
 
 
 async def run_gpuq(dsn: str, jobs: int, agents: int, capacity: int, chunk: int,
@@ -198,6 +249,11 @@ def report(r: dict[str, Any]) -> None:
     common.print_table(["system", "jobs/s", "end-to-end s", "client CPU s", "postgres CPU s"], rows,
                 title=f"throughput: {r['jobs']:,} jobs, {r['agents']} agents x capacity "
                       f"{r['capacity']}, {r['mode']} insert, no-op handler")
+    if len(r.get("rounds", ())) > 1:
+        print(f"medians of {len(r['rounds'])} alternated rounds; worst round: gpuq {r['gpuq_jobs_per_s_worst']} jobs/s"
+              + (f", gpuq / pgqueuer {r['ratio_worst']}" if "ratio_worst" in r else ""))
+    for system, parts in r["cpu_us_per_job"].items():
+        print(f"CPU per job, {system}: " + ", ".join(f"{k} {v} µs" for k, v in parts.items()))
     for key, label in (("ratio", "gpuq / pgqueuer"), ("fraction_of_raw", "gpuq / raw"),
                        ("tail_ratio", "last 20 % / first 20 % of the jobs"),
                        ("snapshot_jobs_per_s", "with an old snapshot held, jobs/s"),
