@@ -127,15 +127,19 @@ def test_control_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> No
 
 def test_placement_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
     got = run_bench(capsys, server_dsn, "placement", "--agents", "2", "--devices", "2", "--models", "3",
-                    "--jobs", "12", "--load-seconds", "0.01", "--rate", "200")
+                    "--jobs", "12", "--load-seconds", "0.01", "--rate", "200", "--seeds", "3,4")
     assert {"violations", "cold_loads_per_1000", "blind_cold_loads_per_1000", "cold_load_ratio", "p99_wait_s",
-            "jobs_per_s", "blind_jobs_per_s"} <= got.keys()
+            "jobs_per_s", "blind_jobs_per_s", "cold_load_ratio_worst"} <= got.keys()
     assert got["violations"] == 0
+    assert [s["seed"] for s in got["seeds"]] == [3, 4]  # every seed reported, not one chosen
+    ratios = [s["cold_load_ratio"] for s in got["seeds"] if s["cold_load_ratio"] is not None]
+    if ratios:
+        assert got["cold_load_ratio_worst"] == max(ratios)
 
 
 def test_placement_over_two_serves_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
     got = run_bench(capsys, server_dsn, "placement", "--serves", "2", "--agents", "2", "--devices", "2",
-                    "--models", "3", "--jobs", "12", "--load-seconds", "0.01", "--rate", "200")
+                    "--models", "3", "--jobs", "12", "--load-seconds", "0.01", "--rate", "200", "--seeds", "1")
     assert got["serves"] == 2 and got["violations"] == 0
     assert {"cold_loads_per_1000", "blind_cold_loads_per_1000", "cold_load_ratio"} <= got.keys()
 
