@@ -173,8 +173,11 @@ KEEPALIVE_INTERVAL_SECONDS = 5
 KEEPALIVE_COUNT = 3
 TCP_USER_TIMEOUT_SECONDS = KEEPALIVE_IDLE_SECONDS + KEEPALIVE_INTERVAL_SECONDS * KEEPALIVE_COUNT
 # A LISTEN connection (the dispatcher's, a waiter's) says nothing while nothing happens:
-# this often it is asked something, bounded by the command timeout.
+# this often it is asked something (``probe``), bounded by the command timeout.
 LISTEN_PROBE_SECONDS = 5.0
+# What bounds the statements that check or leave a connection (a probe, UNLISTEN, a close)
+# when there is no command timeout: they must end on a hung host even then.
+FALLBACK_BOUND_SECONDS = 5.0
 
 
 def _timeout(name: str) -> float | None:
@@ -185,6 +188,11 @@ def _timeout(name: str) -> float | None:
 def command_timeout() -> float | None:
     """``GPUQ_COMMAND_TIMEOUT`` in seconds, None for no limit."""
     return _timeout("command_timeout")
+
+
+def _bound() -> float:
+    """The command timeout, or FALLBACK_BOUND_SECONDS without one."""
+    return command_timeout() or FALLBACK_BOUND_SECONDS
 
 
 # A statement writing many rows (a bulk enqueue) is bounded by its size: this many rows a
@@ -339,7 +347,7 @@ async def close_pool(pool: Any, seconds: float) -> None:
 async def close(conn: Any, seconds: float | None = None) -> None:
     """Close a connection, gracefully for up to ``seconds`` (default: the command timeout)."""
     with contextlib.suppress(Exception):
-        await conn.close(timeout=seconds or command_timeout() or 5.0)  # on timeout asyncpg aborts it
+        await conn.close(timeout=seconds or _bound())  # on timeout asyncpg aborts it
     if not conn.is_closed():
         conn.terminate()
 
@@ -350,7 +358,12 @@ async def unlisten(conn: Any, channel: str, callback: Any) -> None:
     if conn.is_closed():
         return
     try:
-        async with asyncio.timeout(command_timeout() or 5.0):
+        async with asyncio.timeout(_bound()):
             await conn.remove_listener(channel, callback)
     except CONNECTION_LOST:  # a TimeoutError among them
         conn.terminate()
+
+
+async def probe(conn: Any) -> None:
+    """Ask a silent connection something: a hung host raises TimeoutError within the bound."""
+    await conn.execute(queries["ping"], timeout=_bound())

@@ -23,8 +23,8 @@ from gpuq.db import (
     LISTEN_PROBE_SECONDS,
     DatabaseUnavailable,
     close,
-    command_timeout,
     connect,
+    probe,
     unlisten,
 )
 from gpuq.jobs import NewJob
@@ -212,7 +212,7 @@ async def _until(changed: asyncio.Event, conn: Any) -> None:
         except TimeoutError:
             pass
         try:
-            await conn.fetchval(queries["ping"], timeout=command_timeout() or LISTEN_PROBE_SECONDS)
+            await probe(conn)
         except TimeoutError:
             conn.terminate()
             raise DatabaseUnavailable("the connection waiting for a job stopped answering") from None

@@ -74,7 +74,7 @@ WAITER_MARGIN_S = 5.0  # a waiter may return this long after its job is done, or
 CONNECT_S, STATEMENT_S = 15.0, 10.0  # the bench's own bounds on the producer's connects and statements
 AGENT_DRAIN_S = 5  # the agents' stop deadline (GPUQ_AGENT_DRAIN_SECONDS): without one they wait for ever
 STOP_GRACE_S = 15.0  # SIGTERM to SIGKILL at the end: above serve's drain (2 s) + database bound (5 s), and agents' 5 s
-DB_ERRORS: tuple[type[BaseException], ...] = (*RETRYABLE_ERRORS, TimeoutError)
+DB_ERRORS = RETRYABLE_ERRORS  # TimeoutError among them
 
 
 @dataclass

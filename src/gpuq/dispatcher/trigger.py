@@ -27,7 +27,6 @@ from gpuq import db, logs, metrics, wakeups
 from gpuq.config import ServerConfig
 from gpuq.dispatcher.tuning import Tuning
 from gpuq.loops import LoopBackoff, Outage, run_every
-from gpuq.sql import queries
 
 log = logs.get("dispatcher")
 
@@ -194,7 +193,7 @@ class LeaseTrigger:
                 with anyio.move_on_after(self.tuning.listen_probe_seconds):
                     await lost.wait()
                 if not lost.is_set():  # a hung or half-open socket: the probe times out, we reconnect
-                    await conn.execute(queries["ping"], timeout=db.command_timeout() or db.LISTEN_PROBE_SECONDS)
+                    await db.probe(conn)
             raise ConnectionError("the LISTEN connection was closed")
         finally:
             self.listening = False
