@@ -145,6 +145,7 @@ class LeasedJob:
     gpus: int = 0  # placed jobs: devices to give it on its agent, each with at least gpu_memory_mb
     gpu_memory_mb: int | None = None
     queued_ms: int | None = None  # how long it had been due when leased (the agent counts gaps by it)
+    model: str | None = None  # placed jobs: the model it would rather find warm (the agent holds it while it runs)
 
     @property
     def payload(self) -> Any:

@@ -9,8 +9,9 @@ placement"):
   ``gpus`` free devices with at least ``gpu_memory_mb`` each, on one agent;
 - a job without GPUs takes the agent's plain credit (``capacity``); one with
   GPUs takes devices, one job per device;
-- among agents that fit, those holding the job's model warm come first;
-  the rest are taken round-robin; while an agent that holds it warm is
+- among agents that fit, those holding the job's model warm come first (a
+  model it reported, or one a job it holds named: loaded, or loading); the
+  rest are taken round-robin; while an agent that holds it warm is
   connected, the job waits for it up to ``warm_wait_seconds`` before it goes
   to a cold one (the dispatcher's rule: it needs the job's wait);
 - only when no free device anywhere takes a job may it be held ready on a

@@ -178,7 +178,7 @@ async def lease_placed(db: DB, shape: Shape, slots: Sequence[str], lease_seconds
 def _placed_jobs(shape: Shape, rows: list[Any]) -> list[LeasedJob]:
     return [LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
                       r["leased_by"], r["payload_json"], r["timeout_seconds"], shape.gpus, shape.gpu_memory_mb,
-                      r["queued_ms"])
+                      r["queued_ms"], shape.model)
             for r in sorted(rows, key=_BY_SLOT)]
 
 

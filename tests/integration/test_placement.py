@@ -275,6 +275,25 @@ async def test_a_job_waits_for_its_busy_warm_agent_rather_than_load_cold(dsn, li
         assert runs[2][:2] == ("warm", held)
 
 
+async def test_a_job_waits_for_the_agent_that_loads_its_model_before_it_reports_it(dsn, live_conn):
+    """No agent reported llama, but one holds a llama job (it loads it): the next llama job
+    waits there, held ready, rather than loading it on the free agent too."""
+    runs: list = []
+    release = anyio.Event()
+    async with running_server(dsn, poll_seconds=60, warm_wait_seconds=30) as srv:
+        for name in ("a", "b"):
+            await srv.agent(["train"], 1, recorder(name, runs, release), name, devices=H100S[:1])
+        first = await enqueue(live_conn, "train", gpus=1, model="llama")
+        await wait_for(lambda: len(runs) == 1)
+        loading = runs[0][0]
+        second = await enqueue(live_conn, "train", gpus=1, model="llama")
+        await dispatcher_idle()
+        assert [r[1] for r in runs] == [first]  # the other agent stayed free
+        release.set()
+        await wait_for(lambda: len(runs) == 2)
+        assert runs[1][:2] == (loading, second)
+
+
 async def test_held_jobs_go_cold_one_agent_per_warm_wait(dsn, live_conn):
     runs: list = []
     release = anyio.Event()

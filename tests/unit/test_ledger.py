@@ -101,3 +101,15 @@ def test_device_status_shows_usage_the_running_job_and_the_next():
     old = ledger(version=4, devices=GPUS[:1])
     old.hold(1, TOKEN, "train", gpus=1)
     assert old.device_jobs() == ({0: 1}, {})  # before version 5 a pushed job runs
+
+
+def test_a_held_job_s_model_is_held_until_its_outcome_or_its_release():
+    led = ledger(version=5, capacity=1, prefetch=2, devices=GPUS)
+    led.hold(1, TOKEN, "train", gpus=1, model="llama")
+    led.hold(2, TOKEN, "train", gpus=1, model="sdxl")
+    led.hold(3, TOKEN, "embed")  # no model named
+    assert led.held_models == {1: "llama", 2: "sdxl"}
+    led.settle([Done(1, OTHER, None)])  # not its token: still held
+    led.settle([Done(1, TOKEN, None)])
+    assert led.release([2]) == ((2, TOKEN),)
+    assert led.held_models == {}

@@ -139,7 +139,7 @@ class Roster(Writer):
 
 def _row(s: AgentSession) -> dict[str, Any]:
     return {"agent": s.id, "kinds": sorted(s.kinds), "protocol": s.version,
-            "devices": [d.memory_mb for d in s.devices], "models": sorted(s.models),
+            "devices": [d.memory_mb for d in s.devices], "models": sorted(s.protocol.models),
             "labels": sorted(s.labels), "draining": s.draining}
 
 

@@ -66,7 +66,9 @@ class AgentSession:
 
     @property
     def models(self) -> frozenset[str]:
-        return frozenset(self.protocol.models)
+        """The models it holds warm: those it reported, and those of the jobs it holds (a job runs
+        with its model loaded, or loading: the next job of that model should wait for it too)."""
+        return frozenset(self.protocol.models).union(self.protocol.ledger.held_models.values())
 
     def free_devices(self, min_memory_mb: int = 0) -> list[int]:
         return self.protocol.ledger.free_devices(min_memory_mb)

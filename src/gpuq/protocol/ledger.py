@@ -17,6 +17,9 @@ to push. The rules of the account (docs/protocol.md, "Dispatch"):
   job may be given one more, which starts when it frees (``ready_devices``);
 - an outcome whose token matches a held job frees its credit or its devices
   (``settle``); any other outcome frees nothing;
+- ``held_models``: the model each held job named, until its outcome or its
+  release (placement counts it warm there: the job runs with it loaded or
+  loading);
 - ``usage`` is each device's last reported usage (only devices the hello
   named); ``busy`` sums the slots' reports of the last minute (version 6).
 
@@ -47,6 +50,7 @@ class Ledger:
         self.held: dict[int, tuple[str, str]] = {}  # job id -> (lease token, kind)
         self.devices_in_use: dict[int, tuple[int, ...]] = {}  # job id -> the devices it was pushed with
         self.started: set[int] = set()  # version 5: held jobs the agent said it started
+        self.held_models: dict[int, str] = {}  # job id -> the model it named (placed jobs that name one)
         self.usage: dict[int, DeviceUsage] = {}  # device index -> its last reported usage
         self.busy = BusyWindow()  # version 6: the agent's slot reports of the last minute
         self.taking = False  # between the hello and the drain (or the close)
@@ -122,7 +126,7 @@ class Ledger:
     # -- changes -----------------------------------------------------------------
 
     def hold(self, job_id: int, lease_token: str, kind: str, gpus: int = 0,
-             min_memory_mb: int = 0) -> tuple[int, ...] | None:
+             min_memory_mb: int = 0, model: str | None = None) -> tuple[int, ...] | None:
         """Hold a job being pushed: it takes credit, or ``gpus`` devices of at least ``min_memory_mb``
         (free ones, else ready ones: it starts when they free). The devices it was given; None,
         and nothing held, when there are not enough."""
@@ -135,6 +139,8 @@ class Ledger:
                 return None
             devices = self.devices_in_use[job_id] = tuple(free[:gpus])
         self.held[job_id] = (lease_token, kind)
+        if model is not None:
+            self.held_models[job_id] = model
         return devices
 
     def settle(self, outcomes: Iterable[Done | Failed]) -> tuple[list[tuple[Done | Failed, str]], int]:
@@ -147,6 +153,7 @@ class Ledger:
             if entry is not None and entry[0] == msg.lease_token:
                 del held[msg.id]
                 self.devices_in_use.pop(msg.id, None)
+                self.held_models.pop(msg.id, None)
                 self.started.discard(msg.id)
                 freed += 1
                 items.append((msg, entry[1]))
@@ -165,6 +172,7 @@ class Ledger:
         back = tuple((i, self.held.pop(i)[0]) for i in ids if i in self.held and i not in self.started)
         for i, _ in back:
             self.devices_in_use.pop(i, None)
+            self.held_models.pop(i, None)
         return back
 
     def record_usage(self, usage: Iterable[DeviceUsage]) -> None:

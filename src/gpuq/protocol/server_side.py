@@ -327,7 +327,7 @@ class ServerProtocol:
         queued = self.version >= SLOTS_SINCE
         for j in jobs:
             gpus = getattr(j, "gpus", 0)
-            devices = hold(j.id, j.lease_token, j.kind, gpus, (j.gpu_memory_mb or 0) if gpus else 0)
+            devices = hold(j.id, j.lease_token, j.kind, gpus, (j.gpu_memory_mb or 0) if gpus else 0, getattr(j, "model", None))
             if devices is None:
                 refused.append(j)
                 continue
