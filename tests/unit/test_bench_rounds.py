@@ -2,7 +2,7 @@
 
 import argparse
 
-from gpuq.bench import placement, throughput
+from gpuq.bench import placement, producers, throughput
 
 
 def _round(jobs_per_s, ratio, serve_cpu_s):
@@ -33,3 +33,11 @@ def test_placement_reports_every_seed_the_median_and_the_worst():
     got = placement.summarize(args, seeds)
     assert (got["cold_load_ratio"], got["cold_load_ratio_worst"], got["violations"]) == (0.3, 0.45, 1)
     assert [s["seed"] for s in got["seeds"]] == [1, 2, 3]
+
+
+def test_producers_report_each_round_s_ratio_and_the_worst():
+    on = [{"commits_per_s": 900.0}, {"commits_per_s": 1000.0}, {"commits_per_s": 800.0}]
+    off = [{"commits_per_s": 1000.0}, {"commits_per_s": 1000.0}, {"commits_per_s": 1000.0}]
+    got = producers.summarize(on, off)
+    assert (got["commits_per_s"], got["no_trigger_commits_per_s"], got["commit_ratio"]) == (900.0, 1000.0, 0.9)
+    assert got["round_ratios"] == [0.9, 1.0, 0.8] and got["commit_ratio_worst"] == 0.8

@@ -4,7 +4,9 @@
 (synchronous_commit as the server has it) for ``--seconds``, while a real
 ``gpuq serve`` and ``--agents`` agents consume. The same run is repeated with
 the wake-up trigger disabled (serve then polls every 0.2 s), alternating for
-``--rounds``; the figures are the means. PostgreSQL
+``--rounds``; the figures are the means, with each round's ratio
+(``round_ratios``) and the worst of them (``commit_ratio_worst``; issue #30:
+the target holds in the worst round, not only on the mean). PostgreSQL
 serializes the commits of every transaction that issued NOTIFY, so
 ``commit_ratio`` = commits/s with the trigger / without shows what producers
 pay for wake-ups (issue #14's target: >= 0.9). Every job must still be consumed.
@@ -36,16 +38,23 @@ def register(sub: Any) -> None:
         for _ in range(a.rounds):  # alternated, so drift on a shared machine hits both alike
             for trigger in (True, False):
                 runs[trigger].append(await run(t.dsn, a.producers, a.seconds, a.agents, a.capacity, trigger))
-        on, off = (round(sum(r["commits_per_s"] for r in runs[x]) / a.rounds, 1) for x in (True, False))
         return {"bench": "producers", "producers": a.producers, "seconds": a.seconds, "rounds": a.rounds,
-                "agents": a.agents, "commits_per_s": on, "no_trigger_commits_per_s": off,
-                "commit_ratio": round(on / off, 3),
+                "agents": a.agents, **summarize(runs[True], runs[False]),
                 "consumed": all(r["consumed"] for rs in runs.values() for r in rs),
                 "postgres": runs[True][0]["postgres"]}
 
     common.declare(sub, "producers", "commits/s of single-row producers with and without the wake-up trigger",
                    __doc__, args, body, report,
                    failures=lambda r: [] if r["consumed"] else ["not every job was consumed"])
+
+
+def summarize(on: list[dict[str, Any]], off: list[dict[str, Any]]) -> dict[str, Any]:
+    """Commits/s with and without the trigger (means over the rounds), their ratio, and each
+    round's ratio with the worst beside them."""
+    mean_on, mean_off = (round(sum(r["commits_per_s"] for r in runs) / len(runs), 1) for runs in (on, off))
+    ratios = [round(a["commits_per_s"] / b["commits_per_s"], 3) for a, b in zip(on, off, strict=True)]
+    return {"commits_per_s": mean_on, "no_trigger_commits_per_s": mean_off, "commit_ratio": round(mean_on / mean_off, 3),
+            "commit_ratio_worst": min(ratios), "round_ratios": ratios}
 
 
 async def run(dsn: str, producers: int, seconds: float, agents: int, capacity: int, trigger: bool) -> dict[str, Any]:
@@ -81,7 +90,8 @@ def report(r: dict[str, Any]) -> None:
                                                           ["off (serve polls)", r["no_trigger_commits_per_s"]]],
                        title=f"producers: {r['producers']} single-row producers, {r['rounds']} x {r['seconds']:g}s, while "
                              f"{r['agents']} agents consume")
-    print(f"commit ratio (on / off): {r['commit_ratio']}")
+    print(f"commit ratio (on / off): {r['commit_ratio']} on the means; per round {r['round_ratios']}, "
+          f"worst {r['commit_ratio_worst']} (target: >= 0.9 in the worst)")
 
 
 if __name__ == "__main__":
