@@ -15,7 +15,17 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from gpuq.jobs import LIVE_STATES, JobFilter, JobPage, RetryFilter, StatusCounts, check_timeout
+from gpuq.jobs import (
+    LIVE_STATES,
+    MAX_BATCH_ITEMS,
+    MAX_BATCH_WAIT_MS,
+    MAX_COST,
+    JobFilter,
+    JobPage,
+    RetryFilter,
+    StatusCounts,
+    check_timeout,
+)
 from gpuq.kinds import KIND_RULE, is_kind
 from gpuq.sql import DB, queries
 
@@ -77,6 +87,27 @@ async def set_limit(db: DB, scope: str, name: str, max_running: int | None) -> N
     if max_running is not None and max_running < 0:
         raise ValueError(f"a limit must be 0 or more jobs, not {max_running}")
     await db.execute(queries["limit_set"], scope, name, max_running)
+
+
+async def set_batching(db: DB, kind: str, max_items: int | None, max_wait_ms: int = 0,
+                       max_cost: int | None = None) -> None:
+    """Lease ``kind``'s jobs in batches of at most ``max_items`` for agents that take batches, across
+    every dispatcher: a partial batch goes once its oldest job waited ``max_wait_ms``, and a batch's
+    costs sum to at most ``max_cost`` (None: no budget). ``max_items`` None removes the policy."""
+    if not is_kind(kind):
+        raise ValueError(f"bad job kind {kind!r}: {KIND_RULE}")
+    if max_items is not None and not 1 <= max_items <= MAX_BATCH_ITEMS:
+        raise ValueError(f"max_items must be 1-{MAX_BATCH_ITEMS}, not {max_items}")
+    if not 0 <= max_wait_ms <= MAX_BATCH_WAIT_MS:
+        raise ValueError(f"max_wait_ms must be 0-{MAX_BATCH_WAIT_MS}, not {max_wait_ms}")
+    if max_cost is not None and not 1 <= max_cost <= MAX_COST:
+        raise ValueError(f"max_cost must be a positive whole number, not {max_cost}")
+    await db.execute(queries["batch_policy_set"], kind, max_items, max_wait_ms, max_cost)
+
+
+async def batching(db: DB) -> list[dict[str, Any]]:
+    """Every kind's batching policy: ``{kind, max_items, max_wait_ms, max_cost, updated_at}``."""
+    return [dict(r) for r in await db.fetch(queries["batch_policies"])]
 
 
 async def limits(db: DB) -> list[dict[str, Any]]:

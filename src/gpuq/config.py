@@ -108,7 +108,7 @@ class Setting:
 
 
 _DB_COMMANDS = ("migrate", "serve", "sweep", "enqueue", "status", "jobs", "pause", "resume", "retry", "cancel", "show",
-                "wait", "schedule", "kind-timeout", "limit")
+                "wait", "schedule", "kind-timeout", "limit", "batch")
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("database_url", "DATABASE_URL", None, parse_text, "PostgreSQL DSN",
@@ -199,6 +199,12 @@ SETTINGS: tuple[Setting, ...] = (
             {AGENT: "--prefetch"}),
     Setting("handler", "GPUQ_HANDLER", "gpuq.demo:handle", parse_text, "module:function called per job",
             {AGENT: "--handler"}),
+    Setting("batch_handler", "GPUQ_BATCH_HANDLER", None, parse_text,
+            "module:function called with a list of jobs, one entry per job returned (protocol 7); with "
+            "no --handler it also takes single jobs, as batches of one", {AGENT: "--batch-handler"},
+            shown="none"),
+    Setting("agent_max_batch", "GPUQ_AGENT_MAX_BATCH", 64, parse_int,
+            "most jobs one batch handler call takes (1-4096; with --batch-handler)", {AGENT: "--max-batch"}),
     Setting("agent_name", "GPUQ_AGENT_NAME", None, parse_text, "agent name in logs and leased_by",
             {AGENT: "--name"}, shown="hostname"),
     Setting("devices", "GPUQ_DEVICES", "auto", parse_text,
@@ -237,6 +243,11 @@ def get(name: str, env: Mapping[str, str] | None = None, flag: str | None = None
     s = BY_NAME[name]
     text = flag if flag is not None else (os.environ if env is None else env).get(s.env) or None
     return s.default if text is None else s.parse(text, s.env)
+
+
+def given(name: str, flag: str | None = None, env: Mapping[str, str] | None = None) -> bool:
+    """Whether a setting was set (by its flag or its variable), not left to its default."""
+    return flag is not None or bool((os.environ if env is None else env).get(BY_NAME[name].env))
 
 
 # -- the CLI -----------------------------------------------------------------

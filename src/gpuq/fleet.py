@@ -44,6 +44,7 @@ class Fleet:
         shape = placing.shapes.get(reserved) if reserved else None
         beat = proto.last_heartbeat
         return {"agent": s.id, "kinds": sorted(s.kinds), "capacity": s.capacity, "prefetch": proto.ledger.prefetch,
+                "batch": proto.ledger.batch,
                 "inflight": len(s.inflight), "unstarted": len(proto.ledger.unstarted()),
                 "busy_fraction": slots.busy_fraction(*proto.ledger.busy.totals(now)),
                 "draining": s.draining, "protocol": proto.version, "remote": s.remote, "devices": device_status(proto.ledger),
@@ -73,12 +74,14 @@ class Fleet:
         return [(s.id, s.devices, s.protocol.ledger.usage) for s in self._d.sessions]
 
     async def status(self) -> dict[str, Any]:
-        """The body of ``/status``: live counts from the partial indexes, agents, limits, unplaceable jobs."""
+        """The body of ``/status``: live counts from the partial indexes, agents, limits, batching
+        policies, unplaceable jobs."""
         counts = await admin.status_counts(self.pool)
         body = counts.as_dict()
         body["agents"] = self.agents()
         body["unplaceable"] = await self.unplaceable()
         body["limits"] = await admin.limits(self.pool)
+        body["batching"] = [{k: v for k, v in p.items() if k != "updated_at"} for p in await admin.batching(self.pool)]
         body["agents_connected"] = self.agent_count
         body["slots"] = self.busy()
         return body

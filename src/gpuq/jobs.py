@@ -38,6 +38,10 @@ class NewJob:
     labels: tuple[str, ...] = ()  # labels the agent must have, all of them
     model: str | None = None  # the model it would rather find warm
     concurrency_key: str | None = None  # what global limits count it under
+    # Batching (docs/design.md, "Batching"): its share of a batch's max_cost, and the key that
+    # keeps unlike jobs apart (only jobs of one batch_key share a batch).
+    cost: int | None = None
+    batch_key: str | None = None
 
     @property
     def placed(self) -> bool:
@@ -57,6 +61,7 @@ class NewJob:
             raise ValueError(f"delay must not be negative, not {self.delay_seconds}")
         check_timeout(self.timeout_seconds)
         check_placement(self.gpus, self.gpu_memory_mb, self.labels, self.model, self.concurrency_key)
+        check_batching(self.cost, self.batch_key)
 
     @classmethod
     def from_mapping(cls, given: Mapping[str, Any]) -> NewJob:
@@ -84,9 +89,10 @@ class NewJob:
 
 SHORT_NAMES = {"delay": "delay_seconds", "timeout": "timeout_seconds"}  # the CLI's names of NewJob's fields
 _FIELDS = {f.name for f in fields(NewJob)}
-_NULLABLE = {"payload", "run_at", "dedup_key", "timeout_seconds", "gpu_memory_mb", "model", "concurrency_key"}
-_WHOLE = {"priority", "max_attempts", "gpus", "timeout_seconds", "gpu_memory_mb"}
-_TEXT = {"kind", "dedup_key", "model", "concurrency_key"}
+_NULLABLE = {"payload", "run_at", "dedup_key", "timeout_seconds", "gpu_memory_mb", "model", "concurrency_key",
+             "cost", "batch_key"}
+_WHOLE = {"priority", "max_attempts", "gpus", "timeout_seconds", "gpu_memory_mb", "cost"}
+_TEXT = {"kind", "dedup_key", "model", "concurrency_key", "batch_key"}
 
 
 def _check_type(name: str, value: Any) -> None:
@@ -129,6 +135,20 @@ def check_placement(gpus: int, gpu_memory_mb: int | None, labels: Sequence[str],
         raise ValueError("concurrency_key must be 1-256 characters")
 
 
+def check_batching(cost: int | None, batch_key: str | None) -> None:
+    """The table's CHECKs on a job's batching columns (migration 0017), as readable errors (``ValueError``)."""
+    if cost is not None and not 0 <= cost <= MAX_COST:
+        raise ValueError(f"cost must be a whole number 0-{MAX_COST}, not {cost}")
+    if batch_key is not None and not 1 <= len(batch_key) <= 200:
+        raise ValueError("batch_key must be 1-200 characters")
+
+
+MAX_COST = 2**63 - 1  # bigint
+# A batching policy's bounds (gpuq.batch_policies' CHECKs, migration 0017).
+MAX_BATCH_ITEMS = 4096
+MAX_BATCH_WAIT_MS = 3_600_000
+
+
 @dataclass(frozen=True, slots=True)
 class LeasedJob:
     id: int
@@ -146,6 +166,7 @@ class LeasedJob:
     gpu_memory_mb: int | None = None
     queued_ms: int | None = None  # how long it had been due when leased (the agent counts gaps by it)
     model: str | None = None  # placed jobs: the model it would rather find warm (the agent holds it while it runs)
+    batch: int | None = None  # batched jobs: the batch's number (its jobs go in one handler call)
 
     @property
     def payload(self) -> Any:

@@ -23,6 +23,12 @@ LEASE_SECONDS = Histogram(
     "gpuq_lease_query_seconds", "Duration of one lease statement (both phases)",
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0), registry=REGISTRY,
 )
+BATCH_SIZE = Histogram(
+    "gpuq_batch_size", "Jobs in each batch leased for one handler call (batched kinds)", ["kind"],
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096), registry=REGISTRY)
+BATCH_FORMING_SECONDS = Histogram(
+    "gpuq_batch_forming_seconds", "How long each batched job had been due when its batch was leased", ["kind"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60), registry=REGISTRY)
 LEASE_BATCH = Histogram(
     "gpuq_lease_batch_size", "Jobs leased per lease statement",
     buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=REGISTRY,

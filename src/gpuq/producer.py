@@ -50,6 +50,8 @@ async def enqueue(
     labels: Sequence[str] = (),
     model: str | None = None,
     concurrency_key: str | None = None,
+    cost: int | None = None,
+    batch_key: str | None = None,
 ) -> int:
     """Enqueue one job and return its id (the live job's id if deduplicated).
 
@@ -57,12 +59,15 @@ async def enqueue(
     kind's default). Placement (all optional): ``gpus`` devices on one agent,
     each with at least ``gpu_memory_mb``; an agent with every one of
     ``labels``; one holding ``model`` warm if any fits; ``concurrency_key``
-    for global limits. ``ValueError`` for a bad value (``NewJob.from_mapping``).
+    for global limits. Batching (a kind with a policy, ``gpuq batch``): ``cost``, its share of a
+    batch's ``max_cost``; ``batch_key``: only jobs of one key share a batch. ``ValueError`` for a
+    bad value (``NewJob.from_mapping``).
     """
     job = NewJob.from_mapping({
         "kind": kind, "payload": payload, "priority": priority, "max_attempts": max_attempts, "delay": delay,
         "run_at": run_at, "dedup_key": dedup_key, "timeout_seconds": timeout_seconds, "gpus": gpus,
-        "gpu_memory_mb": gpu_memory_mb, "labels": labels, "model": model, "concurrency_key": concurrency_key})
+        "gpu_memory_mb": gpu_memory_mb, "labels": labels, "model": model, "concurrency_key": concurrency_key,
+        "cost": cost, "batch_key": batch_key})
     return (await enqueue_many(db, [job]))[0]
 
 

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from gpuq.batches import Head
 from gpuq.db import bulk_timeout
 from gpuq.jobs import FailOutcome, JobBackoff, LeasedJob, LeaseResult, Moved, NewJob, Shape
 from gpuq.plans import lease_args
@@ -39,11 +40,14 @@ def _columns(jobs: Sequence[NewJob]) -> tuple[list[Any] | None, ...]:
         [j.max_attempts for j in jobs], [j.run_at for j in jobs],
         [float(j.delay_seconds) for j in jobs], [j.dedup_key for j in jobs], [j.timeout_seconds for j in jobs],
     )
-    if not any(j.placed for j in jobs):
-        return (*plain, None, None, None, None, None)  # NULL arrays: unnest pads them with NULLs
-    return (*plain, [j.gpus for j in jobs], [j.gpu_memory_mb for j in jobs],
-            [",".join(j.labels) if j.labels else None for j in jobs], [j.model for j in jobs],
-            [j.concurrency_key for j in jobs])
+    # NULL arrays where no job sets those columns: unnest pads them with NULLs.
+    placed = (None,) * 5 if not any(j.placed for j in jobs) else (
+        [j.gpus for j in jobs], [j.gpu_memory_mb for j in jobs],
+        [",".join(j.labels) if j.labels else None for j in jobs], [j.model for j in jobs],
+        [j.concurrency_key for j in jobs])
+    batching = (None, None) if not any(j.cost is not None or j.batch_key is not None for j in jobs) else (
+        [j.cost for j in jobs], [j.batch_key for j in jobs])
+    return (*plain, *placed, *batching)
 
 
 async def enqueue_many(db: DB, jobs: Sequence[NewJob]) -> list[int]:
@@ -207,6 +211,29 @@ async def lease_limited(db: DB, shape: Shape, slots: Sequence[str], lease_second
 async def placed_head_wait(db: DB, shape: Shape) -> float | None:
     """Seconds the shape's next pending job has been due (None: none pending)."""
     return await db.fetchval(queries["placed_head"], shape.kind, shape.digest)
+
+
+async def batch_head(db: DB, kind: str, n: int) -> list[Head]:
+    """The next ``n`` pending plain jobs of ``kind`` in lease order, as the batch rules read them
+    (none while the kind is paused or limited). Locks nothing: ``lease_batched`` takes them."""
+    return [Head(r["id"], r["cost"], r["batch_key"], r["waited_ms"], r["timeout_seconds"])
+            for r in await db.fetch(queries["batch_head"], kind, n)]
+
+
+async def lease_batched(db: DB, kind: str, batches: Sequence[tuple[str, Sequence[int]]],
+                        lease_seconds: float) -> dict[int, LeasedJob]:
+    """Lease batches of pending plain jobs of ``kind``: ``(agent, job ids)`` each, recorded on each
+    job as ``batch_id`` (its first job's id) and ``batch_size``; each leased job by id (one leased,
+    cancelled or paused since ``batch_head`` is not among them)."""
+    ids, agents, batch_ids, sizes = [], [], [], []
+    for agent, members in batches:
+        for job_id in members:
+            ids.append(job_id)
+            agents.append(agent)
+            batch_ids.append(members[0])
+            sizes.append(len(members))
+    rows = await db.fetch(queries["lease_batched"], kind, ids, agents, lease_seconds, batch_ids, sizes)
+    return {r["id"]: _leased(r) for r in rows}
 
 
 async def placed_pending(db: DB) -> dict[tuple[str, str], tuple[int, datetime]]:

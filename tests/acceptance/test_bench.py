@@ -120,6 +120,16 @@ def test_control_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> No
     assert got["lost"] == 0
 
 
+def test_batching_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    got = run_bench(capsys, server_dsn, "batching", "--agents", "2", "--capacity", "2", "--jobs", "300",
+                    "--unbatched-jobs", "20", "--max-items", "16", "--open-jobs", "4", "--rates", "100",
+                    "--fixed-ms", "2")
+    assert {"batched_jobs_per_s", "unbatched_jobs_per_s", "speedup", "ideal_jobs_per_s", "ideal_fraction",
+            "ceiling_jobs_per_s", "ceiling_fraction", "open_loop", "poison_extra_attempts", "cancelled_ran",
+            "cost_violations", "lost"} <= got.keys()
+    assert (got["poison_extra_attempts"], got["cancelled_ran"], got["cost_violations"], got["lost"]) == (0, 0, 0, 0)
+    assert set(got["open_loop"]["100"]) == {"batched", "unbatched"}
+
 def test_placement_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
     got = run_bench(capsys, server_dsn, "placement", "--agents", "2", "--devices", "2", "--models", "3",
                     "--jobs", "12", "--load-seconds", "0.01", "--rate", "200", "--seeds", "3")

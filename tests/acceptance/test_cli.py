@@ -11,7 +11,7 @@ from gpuq.config import ConfigError
 from gpuq.runtime import use_uvloop
 
 SUBCOMMANDS = ["migrate", "serve", "sweep", "agent", "enqueue", "status", "jobs", "show", "cancel", "pause", "resume",
-               "retry", "schedule", "wait", "kind-timeout", "limit", "dev", "bench"]
+               "retry", "schedule", "wait", "kind-timeout", "limit", "batch", "dev", "bench"]
 
 
 def gpuq(*args, env=None, stdin=None, timeout=60):
@@ -284,6 +284,29 @@ def test_kind_timeout_from_the_shell(dsn):
     assert gpuq("kind-timeout", "render", "none", env=env).stdout.strip() == "render: default timeout none"
     res = gpuq("kind-timeout", "render", "soon", env=env)
     assert res.returncode == 1 and "whole seconds or none" in res.stderr
+
+
+def test_batch_policy_from_the_shell(dsn):
+    env = {"DATABASE_URL": dsn}
+    res = gpuq("batch", "embed", "--max-items", "64", "--max-wait-ms", "10", env=env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "embed: at most 64 a batch, a partial one after 10 ms"
+    assert '"event": "admin.batch"' in res.stderr and '"max_items": 64' in res.stderr  # the admin event
+    assert gpuq("batch", "score", "--max-items", "8", "--max-cost", "4096", env=env).returncode == 0
+    assert gpuq("batch", env=env).stdout.splitlines() == [
+        "embed: at most 64 a batch, a partial one after 10 ms", "score: at most 8 a batch, a partial one at once, cost <= 4096"]
+    assert gpuq("batch", "embed", "--max-items", "32", env=env).stdout.strip() == "embed: at most 32 a batch, a partial one at once"
+    assert gpuq("batch", "embed", "none", env=env).stdout.strip() == "embed: not batched"
+    assert gpuq("batch", env=env).stdout.splitlines() == ["score: at most 8 a batch, a partial one at once, cost <= 4096"]
+    for bad, says in ((["embed"], "give either --max-items N or none"),
+                      (["embed", "none", "--max-items", "3"], "give either --max-items N or none"),
+                      (["--max-items", "3"], "give the KIND"),
+                      (["embed", "--max-items", "0"], "max_items must be 1-4096"),
+                      (["embed", "--max-items", "4", "--max-wait-ms", "-1"], "max_wait_ms must be 0-3600000"),
+                      (["embed", "--max-items", "4", "--max-cost", "0"], "max_cost must be a positive whole number"),
+                      (["bad kind", "--max-items", "4"], "bad job kind")):
+        res = gpuq("batch", *bad, env=env)
+        assert res.returncode != 0 and says in res.stderr, (bad, res.stderr)
 
 
 def test_limit_from_the_shell(dsn):

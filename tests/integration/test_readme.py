@@ -4,7 +4,10 @@ import ast
 import re
 from pathlib import Path
 
+from gpuq import admin
 from gpuq.harness import running_server
+from gpuq.jobs import NewJob
+from gpuq.producer import enqueue_many
 from tests.helpers import wait_for, wait_status
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
@@ -39,7 +42,8 @@ async def test_the_python_producer_example(pool):
 
 
 async def test_the_ten_line_agent_example_runs_jobs(dsn, pool):
-    [agent_code] = [b for b in blocks("python") if "class" not in b and "Agent(" in b and "devices" not in b]
+    [agent_code] = [b for b in blocks("python") if "class" not in b and "Agent(" in b and "devices" not in b
+                    and "batch_handler" not in b]
     assert agent_code.rstrip().splitlines()[-1].startswith(RUN_LINE)
     body = agent_code.replace(RUN_LINE, "")
     async with running_server(dsn, tokens=frozenset({"s3cret"})) as srv:
@@ -94,3 +98,31 @@ async def test_the_gpu_example_runs_a_two_gpu_job_on_its_two_devices(dsn, pool):
         await wait_status(pool, job_id, "done")
     result = await pool.fetchval("SELECT result->>'saw' FROM gpuq.jobs WHERE id = $1", job_id)
     assert result == "0,1"
+
+
+async def test_the_batching_example_runs_jobs_in_one_call_each_with_its_own_result(dsn, pool):
+    [agent_code] = [b for b in blocks("python") if "batch_handler=" in b]
+    run_line = next(line for line in agent_code.splitlines() if line.startswith(RUN_LINE))
+    await admin.set_batching(pool, "embed", 64)
+    ids = await enqueue_many(pool, [NewJob("embed", {"text": "hello"}), NewJob("embed", {}, max_attempts=1),
+                                    NewJob("embed", {"text": "hi"})])
+    calls: list = []
+    async with running_server(dsn, tokens=frozenset({"s3cret"})) as srv:
+        namespace: dict = {}
+        await run_python(agent_code.replace(run_line, "").replace("ws://127.0.0.1:8765/agent", srv.url), namespace)
+        handler = namespace["embed_batch"]
+
+        async def counted(jobs):
+            calls.append(len(jobs))
+            return await handler(jobs)
+
+        agent = namespace["agent"]
+        agent.batch_handler = counted
+        srv.agents.append(agent)
+        srv.tg.start_soon(agent.run)
+        for job_id, status in zip(ids, ("done", "dead", "done"), strict=True):
+            await wait_status(pool, job_id, status)
+    assert calls == [3]
+    assert [await pool.fetchval("SELECT result FROM gpuq.jobs WHERE id = $1", i) for i in (ids[0], ids[2])] == [
+        {"vector": [5]}, {"vector": [2]}]
+    assert "no text" in await pool.fetchval("SELECT last_error FROM gpuq.jobs WHERE id = $1", ids[1])

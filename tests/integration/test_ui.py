@@ -197,6 +197,17 @@ async def test_the_jobs_list_filters_and_pages_by_keyset(dsn, pool):
         assert 'id="retry-matching"' not in (await request(srv.port, "GET", "/ui/jobs?state=dead", session))[2]
 
 
+async def test_a_job_page_shows_the_batch_it_ran_in_with_its_key_and_cost(dsn, pool):
+    from gpuq import queue
+
+    async with running_server(dsn, **UI) as srv:
+        lead, job_id = await queue.enqueue_many(pool, [NewJob("embed"), NewJob("embed", cost=512, batch_key="len-512")])
+        await pool.execute("UPDATE gpuq.jobs SET batch_id = $1, batch_size = 2 WHERE id = ANY($2)", lead, [lead, job_id])
+        session = {"Cookie": await login(srv.port, READ)}
+        status, _, body = await request(srv.port, "GET", f"/ui/jobs/{job_id}", session)
+        assert status == 200
+        assert f'2 jobs, led by <a href="/ui/jobs/{lead}">job {lead}</a>; key len-512; cost 512' in body
+
 async def test_a_job_page_shows_payload_error_attempts_and_keys(dsn, pool):
     from gpuq import queue
 

@@ -64,3 +64,22 @@ def test_bad_input_is_one_readable_value_error(given, error):
     with pytest.raises(ValueError) as caught:
         NewJob.from_mapping(given)
     assert error in str(caught.value)
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"cost": -1}, "cost must be a whole number"),
+    ({"cost": 2**63}, "cost must be a whole number"),
+    ({"cost": 1.5}, "cost must be a whole number, not 1.5"),
+    ({"batch_key": ""}, "batch_key must be 1-200 characters"),
+    ({"batch_key": "x" * 201}, "batch_key must be 1-200 characters"),
+    ({"batch_key": 3}, "batch_key must be a string"),
+])
+def test_a_bad_batching_field_is_a_clear_error(fields, says):
+    with pytest.raises(ValueError, match=says):
+        NewJob.from_mapping({"kind": "embed", **fields})
+
+
+def test_batching_fields_are_optional_and_kept():
+    job = NewJob.from_mapping({"kind": "embed", "cost": 512, "batch_key": "len-128"})
+    assert (job.cost, job.batch_key, job.placed) == (512, "len-128", False)
+    assert (NewJob("embed").cost, NewJob("embed").batch_key) == (None, None)

@@ -14,6 +14,12 @@ A handler that raises fails the job (retried with backoff); raise
 ``PermanentError`` for a failure that must not be retried. Plain (sync)
 functions run in a worker thread, so they never block the connection.
 
+Batches (protocol 7): ``Agent(..., batch_handler=embed_many, max_batch=64)``
+takes up to 64 jobs in one call, ``embed_many(jobs)`` (async or sync), which
+returns one entry per job in order: a result, or an exception instance for
+that job alone; raising fails them all. Single jobs go to ``handler``, or,
+without one, to the batch handler as a batch of one (``agent.batches``).
+
 Cancelled jobs (``gpuq cancel``): an async handler is cancelled (it sees
 ``asyncio.CancelledError``; a process it started with ``run_process`` gets
 SIGTERM, then SIGKILL after a grace period); a sync handler finds
@@ -36,9 +42,17 @@ Modules: ``connection`` (the websocket loop, ``Agent``), ``slots``,
 boxes that need only websockets.
 """
 
-from gpuq.agent.connection import DEFAULT_PREFETCH, PROGRESS_SEND_SECONDS, Agent, AuthError
+from gpuq.agent.batches import BatchHandler
+from gpuq.agent.connection import (
+           DEFAULT_MAX_BATCH,
+           DEFAULT_PREFETCH,
+           PROGRESS_SEND_SECONDS,
+           Agent,
+           AuthError,
+)
 from gpuq.agent.handlers import Handler, HandlerError, Job, PermanentError, load_handler
 from gpuq.agent.process import run_process
 
-__all__ = ["DEFAULT_PREFETCH", "PROGRESS_SEND_SECONDS", "Agent", "AuthError", "Handler", "HandlerError", "Job",
+__all__ = ["DEFAULT_MAX_BATCH", "DEFAULT_PREFETCH", "PROGRESS_SEND_SECONDS", "Agent", "AuthError", "BatchHandler",
+           "Handler", "HandlerError", "Job",
            "PermanentError", "load_handler", "run_process"]

@@ -1,13 +1,16 @@
 """An async handler's slots: each slot is one asyncio task that runs its jobs one after another,
-under each job's timeout, cancelled when the server cancels the job."""
+under each job's timeout, cancelled when the server cancels the job. A batch runs in one handler
+call under its items' smallest timeout; a cancel of one item only marks it (the others go on)."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+from gpuq.agent.batches import batch_jobs, record_raised, record_returned
 from gpuq.agent.handlers import Job, PermanentError, summary
 from gpuq.agent.slots import Slots
+from gpuq.protocol.batches import Unit
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -18,26 +21,30 @@ class AsyncSlots(Slots):
         super().__init__(*args, **kwargs)
         self._tasks: dict[int, asyncio.Task[None]] = {}  # job id -> its slot's task
 
-    async def run_slot(self, job: Job | None) -> None:
+    async def run_slot(self, job: Unit | None) -> None:
         """Run ``job``, then at once each ready job the protocol gives this slot, all in this one
         task (a ``cancel`` cancels the task while that job's handler runs, and ``_run_job`` takes
         it back)."""
         task = asyncio.current_task()
         while job is not None:
             self.protocol.job_started(job)
-            if task is not None:
+            batched = self.batched(job)
+            if task is not None and not batched:  # a cancel stops a single job's task, never a batch's
                 self._tasks[job.id] = task
             # The sender runs at the handler's first await: the outcome of the job before and this
             # start go out in one frame while the handler already runs.
             self._wake()
             try:
-                await self._run_job(job)
+                if batched:
+                    await self._run_batch(job)
+                else:
+                    await self._run_job(job)
             finally:
                 self._tasks.pop(job.id, None)
             job = self.next_in_slot(job, None)
         self._wake()  # the last outcome
 
-    def _start_slots(self, tg: TaskGroup, jobs: list[Job]) -> None:
+    def _start_slots(self, tg: TaskGroup, jobs: list[Unit]) -> None:
         tg.start_soon(self.run_slots, jobs)
 
     def cancel(self, ids: tuple[int, ...]) -> None:
@@ -45,15 +52,17 @@ class AsyncSlots(Slots):
             if (task := self._tasks.get(job_id)) is not None:
                 task.cancel()
 
-    async def _run_job(self, job: Job) -> None:
+    async def _run_job(self, job: Unit) -> None:
         """Run the handler under the job's timeout and record its outcome."""
+        handler = self.handler
+        assert handler is not None and isinstance(job, Job)  # else it is ``batched``
         limit = None if job.timeout is None else asyncio.timeout(job.timeout)
         try:
             if limit is None:  # no timeout context: it cost a tenth of the agent's CPU on no-op jobs
-                result = await self.handler(job)
+                result = await handler(job)
             else:
                 async with limit:
-                    result = await self.handler(job)
+                    result = await handler(job)
         except TimeoutError as exc:
             if limit is not None and limit.expired():
                 self.protocol.job_failed(job, "timeout", retryable=True)
@@ -71,3 +80,24 @@ class AsyncSlots(Slots):
             self.protocol.job_failed(job, summary(exc), retryable=True)
         else:
             self.protocol.job_done(job, result)
+
+    async def _run_batch(self, unit: Unit) -> None:
+        """Call the batch handler under the batch's timeout and record each item's outcome."""
+        jobs, handler = batch_jobs(unit), self.batch_handler
+        assert handler is not None  # a batch comes only to an agent with a batch handler
+        limit = None if unit.timeout is None else asyncio.timeout(unit.timeout)
+        try:
+            if limit is None:
+                returned = await handler(jobs)
+            else:
+                async with limit:
+                    returned = await handler(jobs)
+        except TimeoutError as exc:
+            if limit is not None and limit.expired():
+                record_returned(self.protocol, jobs, None, expired=True)
+            else:  # the handler's own
+                record_raised(self.protocol, jobs, exc)
+        except Exception as exc:  # the handler's failure is its items', not ours
+            record_raised(self.protocol, jobs, exc)
+        else:
+            record_returned(self.protocol, jobs, returned)

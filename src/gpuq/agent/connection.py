@@ -18,6 +18,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 
 from gpuq import gpus, logs, protocol
 from gpuq.agent.async_slots import AsyncSlots
+from gpuq.agent.batches import BatchHandler
 from gpuq.agent.handlers import Handler
 from gpuq.agent.slots import Slots
 from gpuq.agent.thread_slots import ThreadSlots
@@ -32,6 +33,9 @@ PROGRESS_SEND_SECONDS = 0.5  # progress updates go out at most this often (the l
 # Jobs without devices held ready beyond capacity, so a freed slot starts the next at once
 # (docs/design.md, "Keeping slots busy"): one hides the round trip for most jobs.
 DEFAULT_PREFETCH = 1
+# Jobs one batch handler call takes at most (hello.batch), with a batch handler: the server sends
+# smaller batches when fewer jobs wait (its batching policy decides).
+DEFAULT_MAX_BATCH = 64
 
 
 class AuthError(RuntimeError):
@@ -47,7 +51,7 @@ class Agent:
         token: str,
         kinds: Iterable[str],
         capacity: int,
-        handler: Handler,
+        handler: Handler | None = None,
         name: str | None = None,
         *,
         devices: Iterable[protocol.Device] | None = None,
@@ -58,6 +62,8 @@ class Agent:
         reconnect_min: float = 0.2,
         reconnect_max: float = 30.0,
         drain_seconds: float | None = None,
+        batch_handler: BatchHandler | None = None,
+        max_batch: int = DEFAULT_MAX_BATCH,
     ):
         self.url, self.token = url, token
         self.kinds = tuple(kinds)
@@ -71,11 +77,11 @@ class Agent:
         self.devices = gpus.detect() if devices is None else tuple(devices)
         self._usage = gpus.Usage(self.devices)
         # Sync handlers' slots run in worker threads and call the protocol from there: it locks.
-        is_async = inspect.iscoroutinefunction(handler)
+        is_async = _all_async(handler, batch_handler)
         protocol_class = AgentProtocol if is_async else ThreadSafeAgentProtocol
         self.protocol = protocol_class(Hello(self.name, self.kinds, capacity, devices=self.devices,
-                                             labels=tuple(labels), models=tuple(models),
-                                             prefetch=prefetch))  # checks the hello
+                                             labels=tuple(labels), models=tuple(models), prefetch=prefetch,
+                                             batch=max_batch if batch_handler else 0))  # checks the hello
         self._ready = asyncio.Event()  # the protocol has frames to send
         self._stop_event = asyncio.Event()
         self._reconnect_now = _Nudge()  # stop() cuts the current reconnect wait short, not the later ones
@@ -86,16 +92,26 @@ class Agent:
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._progress_due = asyncio.Event()  # a handler reported progress since the last send
         slots_class = AsyncSlots if is_async else ThreadSlots
-        self._slots: Slots = slots_class(self.protocol, handler, self._ready.set, self._report_progress)
+        self._slots: Slots = slots_class(self.protocol, handler, self._ready.set, self._report_progress,
+                                         batch_handler)
 
     @property
-    def handler(self) -> Handler:
+    def handler(self) -> Handler | None:
         """The handler the slots run (replaceable, by one of the same kind: async or sync)."""
         return self._slots.handler
 
     @handler.setter
-    def handler(self, handler: Handler) -> None:
+    def handler(self, handler: Handler | None) -> None:
         self._slots.handler = handler
+
+    @property
+    def batch_handler(self) -> BatchHandler | None:
+        """The batch handler the slots run (replaceable, by one of the same kind: async or sync)."""
+        return self._slots.batch_handler
+
+    @batch_handler.setter
+    def batch_handler(self, batch_handler: BatchHandler | None) -> None:
+        self._slots.batch_handler = batch_handler
 
     @property
     def completed(self) -> int:
@@ -286,6 +302,23 @@ class _Nudge:
     async def wait(self) -> None:
         await self._event.wait()
         self._event.clear()
+
+
+def _is_async(f: object) -> bool:
+    """An ``async def`` function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(f) or (callable(f) and inspect.iscoroutinefunction(type(f).__call__))
+
+
+def _all_async(handler: Handler | None, batch_handler: BatchHandler | None) -> bool:
+    """Whether the handlers are async (else they are sync, and run in worker threads): both one or
+    the other. ``ValueError`` for neither, or one of each."""
+    given = [f for f in (handler, batch_handler) if f is not None]
+    if not given:
+        raise ValueError("an agent needs a handler, a batch_handler, or both")
+    kinds = {_is_async(f) for f in given}
+    if len(kinds) > 1:
+        raise ValueError("handler and batch_handler must both be async, or both sync")
+    return kinds.pop()
 
 
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:

@@ -1,5 +1,6 @@
 """What both kinds of slot share: a push's jobs go into slots (those with a slot free start now,
-the others wait ready), and a slot that frees takes the next ready job at once."""
+the others wait ready), and a slot that frees takes the next ready job at once. A batch (protocol 7)
+is one unit: one slot, one batch handler call."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from gpuq import protocol
+from gpuq.agent.batches import BatchHandler
 from gpuq.agent.handlers import Handler, Job
 from gpuq.protocol.agent_side import AgentProtocol
+from gpuq.protocol.batches import Batch, Unit
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -18,12 +21,14 @@ if TYPE_CHECKING:
 
 class Slots(abc.ABC):
     """An agent's slots across its sessions: they run the handler and record each outcome in the
-    protocol; ``wake`` tells the connection it has frames to send."""
+    protocol; ``wake`` tells the connection it has frames to send. A batch goes to ``batch_handler``;
+    a single job to ``handler``, or, when there is none, to ``batch_handler`` as a batch of one."""
 
-    def __init__(self, agent_protocol: AgentProtocol, handler: Handler, wake: Callable[[], None],
-                 report_progress: Callable[[int, str], None]):
+    def __init__(self, agent_protocol: AgentProtocol, handler: Handler | None, wake: Callable[[], None],
+                 report_progress: Callable[[int, str], None], batch_handler: BatchHandler | None = None):
         self.protocol = agent_protocol
         self.handler = handler
+        self.batch_handler = batch_handler
         self._wake = wake
         self._report_progress = report_progress
         self._session_tasks: TaskGroup | None = None  # the connection's: jobs run in it
@@ -46,11 +51,15 @@ class Slots(abc.ABC):
             protocol.attach_reporter(job, self._report_progress)
         await self.run_slots(self.protocol.take(jobs))
 
-    async def run_slots(self, jobs: list[Job]) -> None:
+    async def run_slots(self, jobs: list[Unit]) -> None:
         await asyncio.gather(*(self.run_slot(job) for job in jobs))
 
+    def batched(self, unit: Unit) -> bool:
+        """Whether ``unit`` goes to the batch handler: a batch, or any job when there is no other."""
+        return isinstance(unit, Batch) or self.handler is None
+
     @abc.abstractmethod
-    async def run_slot(self, job: Job | None) -> None:
+    async def run_slot(self, job: Unit | None) -> None:
         """Run ``job``, then at once each ready job the protocol gives this slot."""
 
     @abc.abstractmethod
@@ -58,7 +67,7 @@ class Slots(abc.ABC):
         """The server cancelled these running jobs (the protocol marked them ``cancelled``):
         interrupt their handlers where a handler can be interrupted."""
 
-    def next_in_slot(self, ended: Job, ran: tuple[float, float] | None) -> Job | None:
+    def next_in_slot(self, ended: Unit, ran: tuple[float, float] | None) -> Unit | None:
         """The job this slot runs next, after ``ended``. A job with several devices may free them
         for several ready jobs: the others start in the session's task group."""
         jobs = self.protocol.next_jobs(ended, ran)
@@ -68,7 +77,7 @@ class Slots(abc.ABC):
         return jobs[0] if jobs else None
 
     @abc.abstractmethod
-    def _start_slots(self, tg: TaskGroup, jobs: list[Job]) -> None:
+    def _start_slots(self, tg: TaskGroup, jobs: list[Unit]) -> None:
         """Start a slot for each of ``jobs`` in ``tg`` (from the slot that freed them)."""
 
     def event_loop(self) -> asyncio.AbstractEventLoop:

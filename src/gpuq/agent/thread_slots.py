@@ -1,5 +1,6 @@
 """A sync handler's slots: each slot is one worker thread that runs its jobs one after another;
-a timeout or a cancel sets ``job.cancelled`` (a thread cannot be interrupted)."""
+a timeout or a cancel sets ``job.cancelled`` (a thread cannot be interrupted). A batch runs in one
+batch handler call; its timeout (its items' smallest) sets every item's ``cancelled``."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from gpuq import protocol
+from gpuq.agent.batches import batch_jobs, record_raised, record_returned
 from gpuq.agent.handlers import Job, PermanentError, summary
 from gpuq.agent.slots import Slots
+from gpuq.protocol.batches import Unit
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -28,7 +31,7 @@ class ThreadSlots(Slots):
         self._session_over = threading.Event()
         tg.start_soon(_set_when_cancelled, self._session_over)
 
-    async def run_slot(self, job: Job | None) -> None:
+    async def run_slot(self, job: Unit | None) -> None:
         if job is not None:
             await anyio.to_thread.run_sync(self._slot, job)
         self._wake()
@@ -36,17 +39,17 @@ class ThreadSlots(Slots):
     def cancel(self, ids: tuple[int, ...]) -> None:
         """Nothing to interrupt: a thread cannot be; its handler finds ``job.cancelled`` true."""
 
-    def _start_slots(self, tg: TaskGroup, jobs: list[Job]) -> None:
+    def _start_slots(self, tg: TaskGroup, jobs: list[Unit]) -> None:
         self.event_loop().call_soon_threadsafe(tg.start_soon, self.run_slots, jobs)
 
-    def _slot(self, job: Job) -> None:
+    def _slot(self, job: Unit) -> None:
         """A slot, all in one worker thread: each job runs, is reported, and the next ready one
         starts here at once. The event loop is only woken to send (the outcome and the next start
         in one frame), never in the way between two jobs: a hop through it cost each job two
         thread wake-ups. Ends when the session does, after the running handler returns."""
         wake = functools.partial(self.event_loop().call_soon_threadsafe, self._wake)
         over = self._session_over  # this session's: after a reconnect the next one has its own slots
-        next_job: Job | None = job
+        next_job: Unit | None = job
         while next_job is not None and not over.is_set():
             self.protocol.job_started(next_job)
             wake()
@@ -56,14 +59,28 @@ class ThreadSlots(Slots):
             next_job = self.next_in_slot(next_job, ran)
         wake()  # the last outcome
 
-    def _run_job(self, job: Job) -> tuple[float, float]:
-        """Call the handler (in the slot's thread) and record its outcome; its (start, end)."""
+    def _run_job(self, job: Unit) -> tuple[float, float]:
+        """Call the handler, or the batch handler, (in the slot's thread) and record the outcomes;
+        its (start, end)."""
         expired: list[bool] = []
         timers: list[asyncio.TimerHandle] = []
-        loop, timeout = self.event_loop(), job.timeout
+        loop, timeout, jobs = self.event_loop(), job.timeout, batch_jobs(job)
         if timeout is not None:  # a thread cannot be interrupted: the flag asks it to stop
-            loop.call_soon_threadsafe(lambda: timers.append(loop.call_later(timeout, _expire, job, expired)))
+            loop.call_soon_threadsafe(lambda: timers.append(loop.call_later(timeout, _expire, jobs, expired)))
         start = self.protocol.clock()
+        try:
+            if self.batched(job):
+                self._call_batch(jobs, expired)
+            else:
+                self._call(jobs[0], expired)
+        finally:
+            end = self.protocol.clock()
+            if timeout is not None:
+                loop.call_soon_threadsafe(_cancel_all, timers)
+        return start, end
+
+    def _call(self, job: Job, expired: list[bool]) -> None:
+        assert self.handler is not None  # else the job is ``batched``
         try:
             result = self.handler(job)
         except PermanentError as exc:
@@ -75,17 +92,25 @@ class ThreadSlots(Slots):
                 self.protocol.job_failed(job, "timeout", retryable=True)
             else:
                 self.protocol.job_done(job, result)
-        finally:
-            end = self.protocol.clock()
-            if timeout is not None:
-                loop.call_soon_threadsafe(_cancel_all, timers)
-        return start, end
+
+    def _call_batch(self, jobs: list[Job], expired: list[bool]) -> None:
+        """Past the timeout every item fails ``timeout``, whether the handler returned or raised."""
+        assert self.batch_handler is not None  # a batch comes only to an agent with a batch handler
+        try:
+            returned = self.batch_handler(jobs)
+        except Exception as exc:  # the handler's failure is its items', not ours
+            if not expired:
+                record_raised(self.protocol, jobs, exc)
+                return
+            returned = None
+        record_returned(self.protocol, jobs, returned, expired=bool(expired))
 
 
-def _expire(job: Job, expired: list[bool]) -> None:
+def _expire(jobs: list[Job], expired: list[bool]) -> None:
     """A sync handler's timeout: it sees ``job.cancelled``; whatever it returns, the attempt failed."""
     expired.append(True)
-    protocol.mark_cancelled(job)
+    for job in jobs:
+        protocol.mark_cancelled(job)
 
 
 def _cancel_all(timers: list[asyncio.TimerHandle]) -> None:

@@ -27,7 +27,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise CLIError("no token: set GPUQ_TOKEN or --token")
     if not kinds:
         raise CLIError("no kinds: set GPUQ_KINDS or --kinds (comma-separated)")
-    handler = load_handler(config.get("handler", flag=args.handler))
+    batch_spec = config.get("batch_handler", flag=args.batch_handler)
+    batch_handler = load_handler(batch_spec) if batch_spec else None
+    # A batch handler alone takes single jobs too; a --handler given (or set) beside it takes them.
+    plain = config.given("handler", flag=args.handler) or batch_handler is None
+    handler = load_handler(config.get("handler", flag=args.handler)) if plain else None
     ctx = None
     if args.ca_file:
         import ssl
@@ -42,8 +46,12 @@ def cmd_agent(args: argparse.Namespace) -> int:
                       handler, config.get("agent_name", flag=args.agent_name), ssl_context=ctx, devices=devices,
                       labels=config.get("labels", flag=args.labels), models=config.get("models", flag=args.models),
                       prefetch=config.get("prefetch", flag=args.prefetch),
-                      drain_seconds=config.get("agent_drain_seconds", flag=args.agent_drain_seconds))
+                      drain_seconds=config.get("agent_drain_seconds", flag=args.agent_drain_seconds),
+                      batch_handler=batch_handler,
+                      max_batch=config.get("agent_max_batch", flag=args.agent_max_batch))
     except ProtocolError as exc:
         raise CLIError(exc.message) from None
+    except ValueError as exc:  # handler and batch handler of different kinds (async, sync)
+        raise CLIError(str(exc)) from None
     run_service(agent.run_until_signal)
     return 0

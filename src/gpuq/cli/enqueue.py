@@ -28,9 +28,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     e.add_argument("--labels", default="", help="comma-separated labels the agent must have (gpu=h100,...)")
     e.add_argument("--model", default=None, help="the model it would rather find warm on its agent")
     e.add_argument("--concurrency-key", default=None, help="what global limits count it under (a tenant, ...)")
+    e.add_argument("--cost", type=int, default=None,
+                   help="its share of a batch's --max-cost (tokens, pixels; see gpuq batch)")
+    e.add_argument("--batch-key", default=None, help="only jobs of one batch key share a batch (a length bucket, ...)")
     e.add_argument("--stdin", action="store_true",
                    help='bulk: one JSON object per line, {"kind": ..., "payload": ..., "priority": ...}; '
-                        "the flags' names (gpus, gpu_memory_mb, labels, model, concurrency_key) too")
+                        "the flags' names (gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key) too")
     e.add_argument("--batch", type=int, default=1000, help="rows per INSERT with --stdin (default 1000)")
     config.add_flags(e, "enqueue")
     e.set_defaults(func=cmd_enqueue)
@@ -52,7 +55,7 @@ def cmd_enqueue(args: argparse.Namespace) -> int:
             "max_attempts": args.max_attempts, "delay": args.delay, "dedup_key": args.dedup_key,
             "timeout": args.timeout, "gpus": args.gpus, "gpu_memory_mb": args.gpu_memory,
             "labels": config.parse_list(args.labels, "--labels"), "model": args.model,
-            "concurrency_key": args.concurrency_key})
+            "concurrency_key": args.concurrency_key, "cost": args.cost, "batch_key": args.batch_key})
     except ValueError as exc:
         raise CLIError(str(exc)) from None
 

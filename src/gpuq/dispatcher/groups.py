@@ -39,14 +39,15 @@ class GroupLeases:
         """A new agent, or new labels or models: its group may lease again."""
         self._short.discard(kinds)
 
-    async def lease(self, sessions: Sessions, why: Pass, listening: bool,
-                    stopping: Callable[[], bool]) -> AsyncIterator[list[LeasedJob]]:
-        """Lease for each group with a reason to; yields each batch (deliver it before the next)."""
+    async def lease(self, sessions: Sessions, why: Pass, listening: bool, stopping: Callable[[], bool],
+                    batched: frozenset[str] = frozenset()) -> AsyncIterator[list[LeasedJob]]:
+        """Lease for each group with a reason to; yields each batch (deliver it before the next).
+        ``batched``: kinds the agents that take batches get only from ``Batching``."""
         if self.cursors.confirm:  # kinds a writer that ended may have put jobs behind: this pass too
             why.kinds |= await self._confirm_floors()
         rewind_every = self.config.poll_seconds * (self.tuning.rewind_polls if listening else 1)
         self.cursors.start_pass(time.monotonic(), why.rewind, rewind_every)
-        order = list(sessions.groups().items())
+        order = list(sessions.groups(batched).items())
         self._rotation += 1
         if order:  # rotate so no group always goes first
             k = self._rotation % len(order)

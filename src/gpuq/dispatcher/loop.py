@@ -18,13 +18,14 @@ import anyio
 
 from gpuq import db, logs, metrics, queue
 from gpuq.config import ServerConfig
+from gpuq.dispatcher.batching import Batching
 from gpuq.dispatcher.completer import Completer
 from gpuq.dispatcher.groups import GroupLeases
 from gpuq.dispatcher.heartbeats import Heartbeats
 from gpuq.dispatcher.placing import Placing
 from gpuq.dispatcher.progress import ProgressWriter
 from gpuq.dispatcher.roster import Roster
-from gpuq.dispatcher.sessions import AgentSession, Sessions
+from gpuq.dispatcher.sessions import AgentSession, Sessions, group_kinds
 from gpuq.dispatcher.trigger import LeaseTrigger, Pass
 from gpuq.dispatcher.tuning import TUNING_DEFAULT, Tuning
 from gpuq.jobs import JobBackoff, LeasedJob
@@ -50,6 +51,8 @@ class Dispatcher:
         self.trigger.on_listen = lambda: self.groups.listen_connected(self.trigger.listen_pid or 0)
         self.roster = Roster(pool, tuning, self.sessions)  # this server's agents, for the other servers
         self.placing = Placing(pool, config, tuning, self.roster)
+        self.batching = Batching(pool, config, tuning)
+        self._passes = 0
 
     @property
     def listening(self) -> bool:
@@ -133,9 +136,14 @@ class Dispatcher:
         self.roster.put(session)
 
     def _credit_freed(self, session: Any, new_agent: bool = False) -> None:
+        """Its group may lease again (its key leaves out the kinds it takes only in batches), and so
+        may the batched kinds it takes."""
+        group = group_kinds(session, self.batching.kinds)
         if new_agent:
-            self.groups.agent_came(session.kinds)
-        self.trigger.credit_freed(session.kinds)
+            self.groups.agent_came(group)
+        self.trigger.credit_freed(group)
+        if group != session.kinds:
+            self.trigger.credit_freed(session.kinds)
 
     def _announced(self, kind: str, top: int | None) -> None:
         self.groups.cursors.announced(kind, top)
@@ -153,8 +161,7 @@ class Dispatcher:
 
     async def _lease_once(self) -> None:
         """Wait for a reason to lease (a notification, freed credit, a poll), then lease."""
-        why = await self.trigger.wait(self.sessions.any_room(), lambda: self.placing.wait_left(
-            self.sessions.any_room()))
+        why = await self.trigger.wait(self.sessions.any_room(), self._wait_left)
         if why is None or self.stopping:
             return
         try:
@@ -163,13 +170,27 @@ class Dispatcher:
             self.trigger.put_back(why)  # what it was to look at is still to be looked at
             raise
 
+    def _wait_left(self) -> float | None:
+        """Seconds until placement or batching wants a pass of its own (None: never)."""
+        any_room = self.sessions.any_room()
+        waits = [w for w in (self.placing.wait_left(any_room), self.batching.wait_left(self.sessions) if any_room else None)
+                 if w is not None]
+        return min(waits) if waits else None
+
     def _lease_failed(self, exc: BaseException, retry_in: float) -> None:
         self.trigger.lease_failed()
 
     async def lease_pass(self, why: Pass) -> None:
-        """One pass: every group with a reason to lease, then every shape; each batch delivered."""
+        """One pass: every batched kind with a reason to lease and every group (taking turns at going
+        first, so neither always gets an agent's freed credit), then every shape; each lease
+        delivered before the next."""
         stopping = lambda: self.stopping  # noqa: E731
-        await self._deliver_all(self.groups.lease(self.sessions, why, self.listening, stopping))
+        await self.batching.refresh(self.sessions, why)  # the batched kinds, before either leases
+        plain = [self.batching.lease(self.sessions, why, stopping),
+                 self.groups.lease(self.sessions, why, self.listening, stopping, self.batching.kinds)]
+        self._passes += 1
+        for leases in plain if self._passes % 2 else reversed(plain):
+            await self._deliver_all(leases)
         await self._deliver_all(self.placing.lease(self.sessions, why.every, why.kinds, stopping))
 
     async def _deliver_all(self, batches: AsyncIterator[list[LeasedJob]]) -> None:

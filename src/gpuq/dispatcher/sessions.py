@@ -77,6 +77,11 @@ class AgentSession:
         return self.protocol.ledger.ready_devices(min_memory_mb)
 
     @property
+    def batch_items(self) -> int:
+        """The most jobs it takes in one handler call (protocol 7's hello ``batch``); 0: no batches."""
+        return self.protocol.ledger.batch
+
+    @property
     def draining(self) -> bool:
         return self.protocol.draining
 
@@ -118,12 +123,14 @@ class Sessions:
     def any_room(self) -> bool:
         return any(s.has_room() for s in self._by_id.values())
 
-    def groups(self) -> dict[frozenset[str], list[AgentSession]]:
-        """The agents with free credit, grouped by the kinds they take (one lease per group)."""
+    def groups(self, batched: frozenset[str] = frozenset()) -> dict[frozenset[str], list[AgentSession]]:
+        """The agents with free credit, grouped by the kinds they take one job at a time (one lease
+        per group): an agent that takes batches gets the ``batched`` kinds only in batches."""
         groups: dict[frozenset[str], list[AgentSession]] = {}
         for s in self._by_id.values():
-            if s.free:
-                groups.setdefault(s.kinds, []).append(s)
+            kinds = group_kinds(s, batched)
+            if s.free and kinds:
+                groups.setdefault(kinds, []).append(s)
         return groups
 
     def inflight(self) -> int:
@@ -145,6 +152,11 @@ class Sessions:
         for s in self._by_id.values():
             s.protocol.send_drain(deadline_seconds)
             s.flush()
+
+
+def group_kinds(session: AgentSession, batched: frozenset[str]) -> frozenset[str]:
+    """The kinds it takes one job at a time: its group's key (``Sessions.groups``)."""
+    return session.kinds - batched if session.batch_items else session.kinds
 
 
 def interleave(members: Iterable[AgentSession], limit: int) -> list[str]:

@@ -31,6 +31,13 @@ I/O layer (``gpuq.agent``) feeds frames to ``receive()`` and sends what
   the next ``results`` frame when there is one). A ready job that is
   cancelled ends at once as cancelled; on ``drain()`` the ready jobs are given
   back (``release``); a lost connection drops them (the server took them back).
+- batches (version 7, ``hello.batch`` above 0): the jobs of one push with the
+  same ``batch`` number run in one handler call and take one slot (or their
+  devices once); a push that breaks a batch's rules (``batches.check_batches``)
+  is a ``ProtocolError`` before anything of it is kept. What a slot runs is a
+  *unit*: a job or a ``Batch``. A cancelled item of a ready batch ends at once
+  and the batch goes on without it; one of a running batch is only marked
+  (the slot reports it ``cancelled`` when the batch handler returns).
 - ``ThreadSafeAgentProtocol``: the same, every method that changes state
   under one lock, for an agent whose sync handlers' slots run in worker
   threads and call ``job_started``, ``job_done``/``job_failed`` and
@@ -48,7 +55,8 @@ from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any
 
-from gpuq.protocol.codes import PREFETCH_SINCE, SLOTS_SINCE, ErrorCode, ProtocolError
+from gpuq.protocol.batches import Batch, Unit, check_batches, job_ids, units
+from gpuq.protocol.codes import BATCH_SINCE, PREFETCH_SINCE, SLOTS_SINCE, ErrorCode, ProtocolError
 from gpuq.protocol.describe import DeviceUsage
 from gpuq.protocol.fields import contains_nul
 from gpuq.protocol.frames import RESULTS_OVERHEAD, encode, encode_done, pack_progress, pack_results
@@ -95,12 +103,13 @@ class AgentProtocol:
         self._progress: dict[int, str] = {}
         self._progress_asked = False  # progress() has asked for a send_progress() not yet done
         self._progress_lock = threading.Lock()
-        self.ready: deque[JobMessage] = deque()  # pushed jobs without devices waiting for a slot
-        self.ready_gpu: list[JobMessage] = []  # pushed jobs waiting for their devices, in push order
+        self.ready: deque[Unit] = deque()  # pushed jobs (and batches) without devices waiting for a slot
+        self.ready_gpu: list[Unit] = []  # pushed jobs (and batches) waiting for their devices, in push order
         self._slots_busy = 0  # jobs without devices running now (at most capacity)
         self._devices_busy: set[int] = set()  # devices a running job holds
         self._started: list[int] = []  # started since the last frames_to_send (told in the next)
         self._speaks_started = False  # this connection's version has ``started`` (5)
+        self._max_batch = 0  # this connection's: the hello's ``batch`` from version 7, else 0
 
     @property
     def finished(self) -> bool:
@@ -117,8 +126,9 @@ class AgentProtocol:
         """The server took back every job it had not seen reported; the ready ones are not ours now
         (the running ones' handlers are stopped by the I/O layer)."""
         self.state = State.DISCONNECTED
-        for job in self.waiting:
-            self.running.pop(job.id, None)
+        for unit in self.waiting:
+            for job_id in job_ids(unit):
+                self.running.pop(job_id, None)
         self.ready.clear()
         self.ready_gpu = []
         self._slots_busy = 0
@@ -135,6 +145,7 @@ class AgentProtocol:
                 raise ProtocolError(ErrorCode.UNEXPECTED, f"expected welcome, got {msg}")
             self.state, self.max_frame = State.OPEN, msg.max_payload
             self._speaks_started = msg.protocol >= PREFETCH_SINCE
+            self._max_batch = self.hello.batch if msg.protocol >= BATCH_SINCE else 0
             self.slots = None
             if msg.protocol >= SLOTS_SINCE:
                 self.slots = SlotClock(self.hello.capacity, (d.index for d in self.hello.devices), self.clock())
@@ -145,12 +156,13 @@ class AgentProtocol:
         if isinstance(msg, Welcome):
             raise ProtocolError(ErrorCode.UNEXPECTED, f"a second welcome: {msg}")
         if isinstance(msg, Jobs):
+            check_batches(msg.jobs, self._max_batch)  # before anything of the push is kept
             for job in msg.jobs:
                 self.running[job.id] = job
             if self.slots is not None:
                 now = self.clock()
-                for job in msg.jobs:
-                    self.slots.pushed(job.id, job.queued_ms, now)
+                for unit in units(msg.jobs):
+                    self.slots.pushed(unit.id, unit.queued_ms, now)
         elif isinstance(msg, Ack):
             for i in (*msg.accepted, *msg.rejected):
                 self.unacked.pop(i, None)
@@ -159,29 +171,44 @@ class AgentProtocol:
             running = [self.running[i] for i in msg.ids if i in self.running]
             for job in running:
                 mark_cancelled(job)
-            waiting = {job.id for job in running if job in self.waiting}
-            if waiting:  # never started: it ends here, before it starts
-                self.ready = deque(job for job in self.ready if job.id not in waiting)
-                self.ready_gpu = [job for job in self.ready_gpu if job.id not in waiting]
-                for job in running:
-                    if job.id in waiting:
-                        self._forget(job)
-                        self.job_failed(job, "cancelled", retryable=False)
+            waiting = self._end_waiting({job.id for job in running}) if running else set()
             return Cancel(tuple(job.id for job in running if job.id not in waiting))
         return msg
+
+    def _end_waiting(self, cancelled: set[int]) -> set[int]:
+        """Cancelled jobs that never started end here, before they start (a ready batch goes on
+        without them, or goes when none is left): their ids."""
+        ended: list[JobMessage] = []
+
+        def still_waits(unit: Unit) -> bool:
+            if isinstance(unit, Batch):
+                ended.extend(j for j in unit.jobs if j.id in cancelled)
+                unit.jobs = [j for j in unit.jobs if j.id not in cancelled]
+                gone = not unit.jobs
+            elif gone := unit.id in cancelled:
+                ended.append(unit)
+            if gone:
+                self._forget(unit)
+            return not gone
+
+        self.ready = deque(unit for unit in self.ready if still_waits(unit))
+        self.ready_gpu = [unit for unit in self.ready_gpu if still_waits(unit)]
+        for job in ended:
+            self.job_failed(job, "cancelled", retryable=False)
+        return {job.id for job in ended}
 
     # -- slots ---------------------------------------------------------------
 
     @property
-    def waiting(self) -> list[JobMessage]:
-        """The pushed jobs not started yet (prefetched)."""
+    def waiting(self) -> list[Unit]:
+        """The pushed jobs (and batches) not started yet (prefetched)."""
         return [*self.ready, *self.ready_gpu]
 
-    def take(self, jobs: Iterable[JobMessage]) -> list[JobMessage]:
-        """Pushed jobs to start now; the others wait ready for ``next_jobs()`` (or, pushed while the
-        agent drains, go back at once)."""
-        now = []
-        for job in jobs:
+    def take(self, jobs: Iterable[JobMessage]) -> list[Unit]:
+        """Pushed jobs to start now, each batch as one ``Batch``; the others wait ready for
+        ``next_jobs()`` (or, pushed while the agent drains, go back at once)."""
+        now: list[Unit] = []
+        for job in units(jobs):
             if job.devices:
                 self.ready_gpu.append(job)
             elif self._slots_busy < self.hello.capacity:
@@ -197,14 +224,14 @@ class AgentProtocol:
             self._release_ready()
         return now
 
-    def job_started(self, job: JobMessage) -> None:
-        """Its handler starts now: the server is told (with the next frame)."""
+    def job_started(self, job: Unit) -> None:
+        """Its handler starts now: the server is told (with the next frame), each item of a batch."""
         if self._speaks_started:
-            self._started.append(job.id)
+            self._started.extend(job_ids(job))
         if self.slots is not None:
             self.slots.started(job.id, self.clock())
 
-    def next_jobs(self, ended: JobMessage, ran: tuple[float, float] | None = None) -> list[JobMessage]:
+    def next_jobs(self, ended: Unit, ran: tuple[float, float] | None = None) -> list[Unit]:
         """``ended``'s handler returned (its outcome is queued): the jobs to start now, the first in
         its slot. A job without devices frees a slot for the next ready one; a job with devices
         frees them for the ready jobs that wait on them (several, when it had several). ``ran``:
@@ -226,12 +253,13 @@ class AgentProtocol:
             clock.slot_freed(now)
         return []
 
-    def _devices_freed(self) -> list[JobMessage]:
+    def _devices_freed(self) -> list[Unit]:
         """Ready jobs with devices that may start now, in push order: each device runs its jobs first
         in, first out, so a multi-GPU job is never overtaken on the devices it waits for."""
         if self.draining or self.state is not State.OPEN:
             return []
-        now, blocked = [], set(self._devices_busy)
+        now: list[Unit] = []
+        blocked = set(self._devices_busy)
         for job in self.ready_gpu:
             if blocked.isdisjoint(job.devices):
                 self._devices_busy.update(job.devices)
@@ -246,7 +274,7 @@ class AgentProtocol:
                     self.slots.assigned(job.id, job.devices, at)
         return now
 
-    def _forget(self, job: JobMessage) -> None:
+    def _forget(self, job: Unit) -> None:
         if self.slots is not None:
             self.slots.forget(job.id)
 
@@ -333,10 +361,12 @@ class AgentProtocol:
     def _release_ready(self) -> None:
         """Give the ready jobs back: they will not start here."""
         if (waiting := self.waiting) and self.state is State.OPEN and self._speaks_started:
-            self._control.append(encode(Release(tuple(job.id for job in waiting))))
-            for job in waiting:
-                self.running.pop(job.id, None)
-                self._forget(job)
+            ids = tuple(job_id for unit in waiting for job_id in job_ids(unit))
+            self._control.append(encode(Release(ids)))
+            for job_id in ids:
+                self.running.pop(job_id, None)
+            for unit in waiting:
+                self._forget(unit)
             self.ready.clear()
             self.ready_gpu = []
 

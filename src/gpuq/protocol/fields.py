@@ -2,7 +2,7 @@
 
 The protocol's one JSON decoder and encoder live here, with the strict
 checks of a single value (a job id, a lease token, a list of ids, a job's
-timeout, devices and ``queued_ms``, U+0000 in a JSON value) and of a
+timeout, devices, ``queued_ms`` and ``batch``, U+0000 in a JSON value) and of a
 progress update's values, which both the parser and ``progress_item`` (the
 encoder ``JobMessage.progress`` uses) apply. A bad value is a
 ``ProtocolError`` (``bad_message``) or, where noted, a ``ValueError`` that
@@ -120,6 +120,12 @@ def timeout(value: Any) -> float | None:
 def queued(value: Any) -> int | None:
     if value is not None and (type(value) is not int or value < 0):
         raise ValueError(f"job queued_ms must be a whole number of ms, not {str(value)[:40]!r}")
+    return value
+
+
+def batch_number(value: Any) -> int | None:
+    if value is not None and (type(value) is not int or not 0 < value <= MAX_JOB_ID):
+        raise ValueError(f"job batch must be a positive integer, not {str(value)[:40]!r}")
     return value
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpuq.protocol import messages as m
-from gpuq.protocol.codes import MAX_RESULTS, PLACEMENT_SINCE, PREFETCH_SINCE
+from gpuq.protocol.codes import BATCH_SINCE, MAX_RESULTS, PLACEMENT_SINCE, PREFETCH_SINCE
 from gpuq.protocol.describe import device_json, usage_json
 from gpuq.protocol.fields import progress_item, to_json
 from gpuq.protocol.slots import slots_json
@@ -79,6 +79,8 @@ def _hello(msg: m.Hello) -> dict[str, Any]:
                     models=list(msg.models))
     if msg.protocol >= PREFETCH_SINCE:
         body["prefetch"] = msg.prefetch
+    if msg.protocol >= BATCH_SINCE:
+        body["batch"] = msg.batch
     return body
 
 
@@ -129,7 +131,8 @@ def jobs_frame(messages: list[str]) -> str:
 
 
 def job_message(job_id: int, lease_token: str, kind: str, payload_json: str, attempt: int,
-                timeout: int | None = None, devices: tuple[int, ...] = (), queued_ms: int | None = None) -> str:
+                timeout: int | None = None, devices: tuple[int, ...] = (), queued_ms: int | None = None,
+                batch: int | None = None) -> str:
     """One pushed job, as JSON, around a payload that is JSON text already (from PostgreSQL).
 
     Spliced, not encoded: the lease token is PostgreSQL's uuid text and the
@@ -142,5 +145,7 @@ def job_message(job_id: int, lease_token: str, kind: str, payload_json: str, att
         limit += ',"devices":[' + ",".join(map(str, devices)) + "]"
     if queued_ms is not None:
         limit += f',"queued_ms":{max(0, queued_ms):d}'
+    if batch is not None:
+        limit += f',"batch":{batch:d}'
     return (f'{{"id":{job_id:d},"lease_token":"{lease_token}","kind":"{kind}","payload":{payload_json},'
             f'"attempt":{attempt:d}{limit}}}')

@@ -20,6 +20,10 @@ to push. The rules of the account (docs/protocol.md, "Dispatch"):
 - ``held_models``: the model each held job named, until its outcome or its
   release (placement counts it warm there: the job runs with it loaded or
   loading);
+- version 7: a batch (``hold_batch``: jobs the agent runs in one handler call)
+  takes one credit, or its devices once, like one job, while any of its
+  items is held; held ready, it is one ready job; it is given only to an agent
+  whose hello took batches of that size (``batch``), and numbered here;
 - ``usage`` is each device's last reported usage (only devices the hello
   named); ``busy`` sums the slots' reports of the last minute (version 6).
 
@@ -29,10 +33,10 @@ to push. The rules of the account (docs/protocol.md, "Dispatch"):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from gpuq.protocol.codes import PREFETCH_SINCE, SLOTS_SINCE
+from gpuq.protocol.codes import BATCH_SINCE, PREFETCH_SINCE, SLOTS_SINCE
 from gpuq.protocol.describe import Device, DeviceUsage
 from gpuq.protocol.messages import Done, Failed, Hello
 from gpuq.protocol.slots import BusyWindow
@@ -51,6 +55,11 @@ class Ledger:
         self.devices_in_use: dict[int, tuple[int, ...]] = {}  # job id -> the devices it was pushed with
         self.started: set[int] = set()  # version 5: held jobs the agent said it started
         self.held_models: dict[int, str] = {}  # job id -> the model it named (placed jobs that name one)
+        self.batch = 0  # version 7: the most jobs one batch may hold (0: no batches)
+        self.batch_of: dict[int, int] = {}  # held job id -> the number of the batch it was pushed in
+        self.batches: dict[int, set[int]] = {}  # batch number -> its held items
+        self._batched_extra = 0  # held items without devices beyond one per batch: they take no credit
+        self._last_batch = 0  # the last batch number given on this connection
         self.usage: dict[int, DeviceUsage] = {}  # device index -> its last reported usage
         self.busy = BusyWindow()  # version 6: the agent's slot reports of the last minute
         self.taking = False  # between the hello and the drain (or the close)
@@ -64,6 +73,7 @@ class Ledger:
         self.devices = hello.devices
         self._tracks_started = hello.protocol >= PREFETCH_SINCE
         self._ready_devices = hello.protocol >= SLOTS_SINCE and self.prefetch > 0
+        self.batch = hello.batch if hello.protocol >= BATCH_SINCE else 0
         self.taking = True
 
     def stop(self) -> None:
@@ -77,7 +87,8 @@ class Ledger:
         """Jobs without devices this connection may be given now."""
         if not self.taking:
             return 0
-        return max(0, self.capacity + self.prefetch - (len(self.held) - len(self.devices_in_use)))
+        plain_units = len(self.held) - len(self.devices_in_use) - self._batched_extra
+        return max(0, self.capacity + self.prefetch - plain_units)
 
     def free_devices(self, min_memory_mb: int = 0) -> list[int]:
         """Indices of the devices no held job was given, with at least ``min_memory_mb`` (none while
@@ -92,7 +103,7 @@ class Ledger:
         waiting, with at least ``min_memory_mb``: each may take one job to start when it frees."""
         if not self.taking or not self._ready_devices:
             return []
-        given = Counter(i for devices in self.devices_in_use.values() for i in devices)
+        given = Counter(i for _, devices in self._device_units() for i in devices)
         return [d.index for d in self.devices if given[d.index] == 1 and d.memory_mb >= min_memory_mb]
 
     # -- what is held ------------------------------------------------------------
@@ -117,11 +128,22 @@ class Ledger:
         prefetch; before version 5 every pushed job counts as running)."""
         running: dict[int, int] = {}
         waiting: dict[int, int] = {}
-        for job_id, given in self.devices_in_use.items():
+        for job_id, given in self._device_units():
             started = job_id in self.started or not self._tracks_started
             for i in given:
                 (running if started else waiting)[i] = job_id
         return running, waiting
+
+    def _device_units(self) -> Iterator[tuple[int, tuple[int, ...]]]:
+        """``(job id, devices)`` of each held unit with devices: a batch once, by one of its items."""
+        seen: set[int] = set()
+        for job_id, devices in self.devices_in_use.items():
+            number = self.batch_of.get(job_id)
+            if number is not None:
+                if number in seen:
+                    continue
+                seen.add(number)
+            yield job_id, devices
 
     # -- changes -----------------------------------------------------------------
 
@@ -137,25 +159,68 @@ class Ledger:
                 free = self.ready_devices(min_memory_mb)  # to start when they free
             if len(free) < gpus:
                 return None
-            devices = self.devices_in_use[job_id] = tuple(free[:gpus])
+            devices = tuple(free[:gpus])
+        self._keep(job_id, lease_token, kind, devices, model)
+        return devices
+
+    def hold_batch(self, items: Sequence[tuple[int, str]], kind: str, gpus: int = 0, min_memory_mb: int = 0,
+                   model: str | None = None) -> tuple[tuple[int, ...], int] | None:
+        """Hold the items ``(id, lease_token)`` of one batch being pushed, as one job: one credit, or
+        ``gpus`` devices for all of them. Its devices and its number on this connection; None, and
+        nothing held, when the agent takes no batch that large or the devices are not there."""
+        if not 0 < len(items) <= self.batch:
+            return None
+        (first, token), rest = items[0], items[1:]
+        devices = self.hold(first, token, kind, gpus, min_memory_mb, model)
+        if devices is None:
+            return None
+        self._last_batch += 1
+        number = self._last_batch
+        for job_id, lease_token in rest:
+            self._keep(job_id, lease_token, kind, devices, model)
+        if not devices:
+            self._batched_extra += len(rest)
+        self.batch_of.update((job_id, number) for job_id, _ in items)
+        self.batches[number] = {job_id for job_id, _ in items}
+        return devices, number
+
+    def _keep(self, job_id: int, lease_token: str, kind: str, devices: tuple[int, ...], model: str | None) -> None:
+        if job_id in self.held:  # leased again (its old lease expired): the old hold, and its batch, go
+            self._drop(job_id)
         self.held[job_id] = (lease_token, kind)
+        if devices:
+            self.devices_in_use[job_id] = devices
         if model is not None:
             self.held_models[job_id] = model
-        return devices
+
+    def _drop(self, job_id: int) -> bool:
+        """Forget a held job; whether that freed its credit or devices (a batch's: with its last item)."""
+        del self.held[job_id]
+        had_devices = self.devices_in_use.pop(job_id, None) is not None
+        self.held_models.pop(job_id, None)
+        self.started.discard(job_id)
+        number = self.batch_of.pop(job_id, None)
+        if number is None:
+            return True
+        items = self.batches[number]
+        items.discard(job_id)
+        if not items:
+            del self.batches[number]
+            return True
+        if not had_devices:
+            self._batched_extra -= 1
+        return False
 
     def settle(self, outcomes: Iterable[Done | Failed]) -> tuple[list[tuple[Done | Failed, str]], int]:
         """Free the credit (or devices) of each held job whose token matches: each outcome with its
-        job's kind (``UNKNOWN_KIND`` when not held here), and how many were freed. Any other outcome
+        job's kind (``UNKNOWN_KIND`` when not held here), and how many credits (or jobs' devices) were
+        freed: a batch's with its last outcome. Any other outcome
         still goes to the database (a resend after a reconnect can land): the token decides."""
         held, items, freed = self.held, [], 0
         for msg in outcomes:
             entry = held.get(msg.id)
             if entry is not None and entry[0] == msg.lease_token:
-                del held[msg.id]
-                self.devices_in_use.pop(msg.id, None)
-                self.held_models.pop(msg.id, None)
-                self.started.discard(msg.id)
-                freed += 1
+                freed += self._drop(msg.id)
                 items.append((msg, entry[1]))
             else:
                 items.append((msg, UNKNOWN_KIND))
@@ -168,12 +233,13 @@ class Ledger:
 
     def release(self, ids: Iterable[int]) -> tuple[tuple[int, str], ...]:
         """Give back held jobs the agent never started, as ``(id, lease_token)``; a started one stays
-        (its outcome will come)."""
-        back = tuple((i, self.held.pop(i)[0]) for i in ids if i in self.held and i not in self.started)
-        for i, _ in back:
-            self.devices_in_use.pop(i, None)
-            self.held_models.pop(i, None)
-        return back
+        (its outcome will come). A batch frees its credit (or devices) with its last item."""
+        back = []
+        for i in ids:
+            if i in self.held and i not in self.started:
+                back.append((i, self.held[i][0]))
+                self._drop(i)
+        return tuple(back)
 
     def record_usage(self, usage: Iterable[DeviceUsage]) -> None:
         """The devices' latest usage; indices the hello did not name are ignored."""

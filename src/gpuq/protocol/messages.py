@@ -55,6 +55,8 @@ class Hello:
     models: tuple[str, ...] = ()
     # Protocol 5: jobs the server may push beyond ``capacity``, held ready for the next free slot.
     prefetch: int = 0
+    # Protocol 7: jobs one batch handler call takes (0: no batch handler; never send this agent a batch).
+    batch: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +161,7 @@ class JobMessage:
     timeout: float | None = None  # seconds this attempt may run (protocol 2); the agent stops it then
     devices: tuple[int, ...] = ()  # the device indices this job was given (protocol 4; GPU jobs only)
     queued_ms: int | None = None  # how long it had been due when leased (protocol 6)
+    batch: int | None = None  # protocol 7: the batch it runs in (one handler call), numbered per connection
     cancelled: bool = field(default=False, compare=False)
     # Where progress() sends an encoded update (the agent sets it); None: nowhere.
     reporter: Callable[[int, str], None] | None = field(default=None, compare=False, repr=False)

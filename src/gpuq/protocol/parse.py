@@ -17,6 +17,8 @@ from typing import Any
 from gpuq.kinds import KIND_RULE, is_kind
 from gpuq.protocol import messages as m
 from gpuq.protocol.codes import (
+    BATCH_SINCE,
+    MAX_BATCH_ITEMS,
     MAX_CANCEL_IDS,
     MAX_CAPACITY,
     MAX_ERROR_TEXT,
@@ -33,6 +35,7 @@ from gpuq.protocol.codes import (
 from gpuq.protocol.describe import check_labels, check_models, devices_from, usage_from
 from gpuq.protocol.fields import (
     BAD_MESSAGE,
+    batch_number,
     check_progress,
     contains_nul,
     device_indices,
@@ -71,7 +74,8 @@ def parse_client(frame: str | bytes, max_size: int) -> m.ClientMessage:
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r}; expected one of "
                             f"{', '.join(sorted(_CLIENT_FIELDS))}", fatal=kind == "hello")
     if kind == "hello" and (version := _hello_version(obj)) >= PLACEMENT_SINCE:
-        fields = _HELLO_5_FIELDS if version >= PREFETCH_SINCE else _HELLO_4_FIELDS
+        fields = (_HELLO_7_FIELDS if version >= BATCH_SINCE else _HELLO_5_FIELDS if version >= PREFETCH_SINCE
+                  else _HELLO_4_FIELDS)
     elif kind == "heartbeat":
         fields = fields | ({"devices"} & obj.keys()) | ({"slots"} & obj.keys())
     elif kind == "results" and "started" in obj:
@@ -122,6 +126,7 @@ _CLIENT_FIELDS = {
 }
 _HELLO_4_FIELDS = _CLIENT_FIELDS["hello"] | {"devices", "labels", "models"}
 _HELLO_5_FIELDS = _HELLO_4_FIELDS | {"prefetch"}
+_HELLO_7_FIELDS = _HELLO_5_FIELDS | {"batch"}
 _RESULTS_5_FIELDS = _CLIENT_FIELDS["results"] | {"started"}
 _PROGRESS_FIELDS = {"id", "lease_token", "fraction", "message", "data"}
 
@@ -185,9 +190,12 @@ def _hello(obj: dict[str, Any]) -> m.Hello:
     prefetch = obj.get("prefetch", 0)
     if not is_int(prefetch) or not 0 <= prefetch <= MAX_PREFETCH:
         raise ProtocolError(BAD_MESSAGE, f"hello.prefetch must be an integer 0-{MAX_PREFETCH}", fatal=True)
+    batch = obj.get("batch", 0)
+    if not is_int(batch) or not 0 <= batch <= MAX_BATCH_ITEMS:
+        raise ProtocolError(BAD_MESSAGE, f"hello.batch must be an integer 0-{MAX_BATCH_ITEMS}", fatal=True)
     return m.Hello(agent, tuple(dict.fromkeys(kinds)), capacity, version, devices_from(obj["devices"]),
                    check_labels(obj["labels"], "hello.labels", fatal=True),
-                   check_models(obj["models"], "hello.models", fatal=True), prefetch)
+                   check_models(obj["models"], "hello.models", fatal=True), prefetch, batch)
 
 
 
@@ -209,7 +217,8 @@ def parse_server(frame: str | bytes) -> m.ServerMessage:
         if kind == "jobs":
             return m.Jobs(tuple(m.JobMessage(job_id(j["id"]), token(j["lease_token"]), str(j["kind"]),
                                              j["payload"], int(j["attempt"]), timeout(j.get("timeout")),
-                                             device_indices(j.get("devices")), queued(j.get("queued_ms")))
+                                             device_indices(j.get("devices")), queued(j.get("queued_ms")),
+                                             batch_number(j.get("batch")))
                                 for j in obj["jobs"]))
         if kind == "ack":
             return m.Ack(tuple(job_id(i) for i in obj["accepted"]), tuple(job_id(i) for i in obj["rejected"]))

@@ -17,7 +17,7 @@ every rule of the connection lives here:
   connection closes; an outcome is settled in it by its lease token;
 - a heartbeat only for jobs this connection holds (``not_held``);
 - the connection speaks the agent's version (any of ``SUPPORTED_VERSIONS``,
-  1 to 6); a message of a later version than the connection's is refused
+  1 to 7); a message of a later version than the connection's is refused
   (``unexpected``); ``cancel`` messages go only to agents of version 2 or
   later and only name jobs the connection holds;
 - ``progress`` (version 3) counts only for jobs held with that lease token;
@@ -30,7 +30,11 @@ every rule of the connection lives here:
   it will not start (``release``: back to pending at once);
 - version 6: each pushed job says how long it was due (``queued_ms``);
   heartbeats may report the slots' busy time and gaps (``slots``, summed over
-  the last minute in ``ledger.busy``).
+  the last minute in ``ledger.busy``);
+- version 7: jobs pushed with the same ``batch`` go as one batch, held as one
+  job (``ledger.hold_batch``), only to an agent whose hello takes batches that
+  large; anything else about a batch (``started``, outcomes, ``release``,
+  ``cancel``) is per item, as for any job.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
+from gpuq.protocol.batches import group
 from gpuq.protocol.codes import (
     CANCEL_SINCE,
     PLACEMENT_SINCE,
@@ -321,22 +326,39 @@ class ServerProtocol:
 
     def send_jobs(self, jobs: list[Any]) -> list[Any]:
         """Push leased jobs (``PushedJob``s): they are held, and take credit, until their outcome. A job
-        with ``gpus`` is given that many free devices of at least its ``gpu_memory_mb``; the jobs
-        returned did not find them (the caller gives them back) and were not pushed."""
-        hold, pushed, refused = self.ledger.hold, [], []
+        with ``gpus`` is given that many free devices of at least its ``gpu_memory_mb``; jobs with the
+        same ``batch`` (version 7) go as one batch, held as one job. The jobs returned were not
+        pushed (the caller gives them back): no devices for them, or a batch this agent cannot take."""
+        pushed: list[str] = []
+        refused: list[Any] = []
         queued = self.version >= SLOTS_SINCE
-        for j in jobs:
-            gpus = getattr(j, "gpus", 0)
-            devices = hold(j.id, j.lease_token, j.kind, gpus, (j.gpu_memory_mb or 0) if gpus else 0, getattr(j, "model", None))
-            if devices is None:
-                refused.append(j)
+        for unit in group(jobs):
+            held = self._hold(unit)
+            if held is None:
+                refused.extend(unit)
                 continue
-            pushed.append(job_message(j.id, j.lease_token, j.kind, j.payload_json, j.attempt,
+            devices, number = held
+            pushed.extend(job_message(j.id, j.lease_token, j.kind, j.payload_json, j.attempt,
                                       getattr(j, "timeout_seconds", None), devices,
-                                      getattr(j, "queued_ms", None) if queued else None))
+                                      getattr(j, "queued_ms", None) if queued else None, number)
+                          for j in unit)
         if pushed:
             self._out.append(jobs_frame(pushed))
         return refused
+
+    def _hold(self, unit: list[Any]) -> tuple[tuple[int, ...], int | None] | None:
+        """Hold one job, or one batch (its items of one kind and one GPU count): the devices given
+        and the batch's number; None when it cannot be held."""
+        first = unit[0]
+        gpus = getattr(first, "gpus", 0)
+        memory = max((j.gpu_memory_mb or 0) for j in unit) if gpus else 0
+        model = getattr(first, "model", None)
+        if getattr(first, "batch", None) is None:
+            devices = self.ledger.hold(first.id, first.lease_token, first.kind, gpus, memory, model)
+            return None if devices is None else (devices, None)
+        if any(j.kind != first.kind or getattr(j, "gpus", 0) != gpus for j in unit):
+            return None  # the agent would refuse the frame: one batch runs one kind on one set of devices
+        return self.ledger.hold_batch([(j.id, j.lease_token) for j in unit], first.kind, gpus, memory, model)
 
     def send_ack(self, accepted: tuple[int, ...], rejected: tuple[int, ...]) -> None:
         self._out.append(encode(Ack(accepted, rejected)))

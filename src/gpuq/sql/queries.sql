@@ -14,21 +14,22 @@
 -- * Locked rows are updated by ctid: no primary-key descent per row.
 
 -- name: enqueue_plain
--- Insert jobs from parallel arrays, in input order (placement arrays $9-$13 NULL: none); returns their ids in that order.
+-- Insert jobs from parallel arrays, in input order (placement arrays $9-$13 NULL: none; batching arrays $14-$15 NULL: none); returns their ids in that order.
 INSERT INTO gpuq.jobs (kind, payload, priority, max_attempts, run_at, status, timeout_seconds,
-                       gpus, gpu_memory_mb, labels, model, concurrency_key)
+                       gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key)
 SELECT kind, payload, priority, max_attempts, run_at,
        CASE WHEN run_at > now() THEN 'scheduled'::gpuq.job_status ELSE 'pending' END, timeout_seconds,
-       coalesce(gpus, 0), gpu_memory_mb, coalesce(string_to_array(labels, ','), '{}'), model, concurrency_key
+       coalesce(gpus, 0), gpu_memory_mb, coalesce(string_to_array(labels, ','), '{}'), model, concurrency_key,
+       cost, batch_key
 FROM (
     SELECT kind, coalesce(payload::jsonb, '{}'::jsonb) AS payload, priority, max_attempts,
            coalesce(run_at, now() + make_interval(secs => delay)) AS run_at, timeout_seconds,
-           gpus, gpu_memory_mb, labels, model, concurrency_key, ord
+           gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, ord
     FROM unnest($1::text[], $2::text[], $3::smallint[], $4::int[], $5::timestamptz[],
                 $6::float8[], $7::text[], $8::int[], $9::smallint[], $10::int[], $11::text[], $12::text[],
-                $13::text[])
+                $13::text[], $14::bigint[], $15::text[])
         WITH ORDINALITY AS t(kind, payload, priority, max_attempts, run_at, delay, dedup_key, timeout_seconds,
-                             gpus, gpu_memory_mb, labels, model, concurrency_key, ord)
+                             gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, ord)
 ) AS input
 ORDER BY ord
 RETURNING id;
@@ -38,19 +39,19 @@ RETURNING id;
 WITH input AS (
     SELECT kind, coalesce(payload::jsonb, '{}'::jsonb) AS payload, priority, max_attempts,
            coalesce(run_at, now() + make_interval(secs => delay)) AS run_at, dedup_key, timeout_seconds,
-           gpus, gpu_memory_mb, labels, model, concurrency_key, ord
+           gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, ord
     FROM unnest($1::text[], $2::text[], $3::smallint[], $4::int[], $5::timestamptz[],
                 $6::float8[], $7::text[], $8::int[], $9::smallint[], $10::int[], $11::text[], $12::text[],
-                $13::text[])
+                $13::text[], $14::bigint[], $15::text[])
         WITH ORDINALITY AS t(kind, payload, priority, max_attempts, run_at, delay, dedup_key, timeout_seconds,
-                             gpus, gpu_memory_mb, labels, model, concurrency_key, ord)
+                             gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, ord)
 ), ins AS (
     INSERT INTO gpuq.jobs (kind, payload, priority, max_attempts, run_at, status, dedup_key, timeout_seconds,
-                           gpus, gpu_memory_mb, labels, model, concurrency_key)
+                           gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key)
     SELECT kind, payload, priority, max_attempts, run_at,
            CASE WHEN run_at > now() THEN 'scheduled'::gpuq.job_status ELSE 'pending' END, dedup_key,
            timeout_seconds, coalesce(gpus, 0), gpu_memory_mb, coalesce(string_to_array(labels, ','), '{}'),
-           model, concurrency_key
+           model, concurrency_key, cost, batch_key
     FROM input ORDER BY ord
     ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL AND status IN ('pending', 'leased', 'scheduled')
     DO NOTHING
@@ -214,6 +215,21 @@ set AS (
 )
 SELECT pg_notify('gpuq_jobs', '*');
 
+-- name: batch_policy_set
+-- Kind $1's jobs go in batches of at most $2 items ($2 NULL: the kind's policy goes), a partial batch after its oldest waited $3 ms, costs summing to at most $4 (NULL: no budget); wakes the dispatchers.
+WITH cleared AS (DELETE FROM gpuq.batch_policies WHERE kind = $1 AND $2::int IS NULL RETURNING kind),
+set AS (
+    INSERT INTO gpuq.batch_policies (kind, max_items, max_wait_ms, max_cost) SELECT $1, $2, $3, $4 WHERE $2::int IS NOT NULL
+    ON CONFLICT (kind) DO UPDATE SET max_items = excluded.max_items, max_wait_ms = excluded.max_wait_ms,
+                                     max_cost = excluded.max_cost, updated_at = now()
+    RETURNING kind
+)
+SELECT pg_notify('gpuq_jobs', '*');
+
+-- name: batch_policies
+-- Every kind's batching policy, by kind.
+SELECT kind, max_items, max_wait_ms, max_cost, updated_at FROM gpuq.batch_policies ORDER BY kind;
+
 -- name: limits
 -- Every limit, with the jobs leased under it now (jobs_leased_idx for a kind, jobs_running_key_idx for a key).
 SELECT l.scope, l.name, l.max_running,
@@ -225,6 +241,42 @@ FROM gpuq.limits l ORDER BY l.scope, l.name;
 -- name: shapes
 -- Every placement shape enqueued so far, with what its jobs need (a handful of rows).
 SELECT kind, shape, gpus, gpu_memory_mb, labels, model, keyed FROM gpuq.shapes;
+
+-- name: batch_head
+-- The next $2 pending plain jobs of kind $1 (not paused, no limit) in lease order (jobs_pending_idx), with what batches form by: cost, batch_key, the timeout an attempt will have, and the milliseconds each has been due. Reads, locks nothing.
+SELECT id, cost, batch_key, greatest(0, extract(epoch FROM now() - run_at) * 1000)::int8 AS waited_ms,
+       coalesce(timeout_seconds, (SELECT t.timeout_seconds FROM gpuq.kind_timeouts t WHERE t.kind = $1)) AS timeout_seconds
+FROM gpuq.jobs
+WHERE kind = $1 AND status = 'pending' AND shape IS NULL
+  AND NOT EXISTS (SELECT 1 FROM gpuq.paused_kinds p WHERE p.kind = $1)
+  AND NOT EXISTS (SELECT 1 FROM gpuq.limits l WHERE l.scope = 'kind' AND l.name = $1)
+ORDER BY (-priority), id
+LIMIT $2;
+
+-- name: lease_batched
+-- Lease the pending plain jobs $2 (ids, from batch_head) of kind $1 (not paused, no limit), the i-th for agent $3[i] in batch $5[i] of $6[i] jobs; one leased, cancelled or paused meanwhile is skipped (pkey lookups: O(batch)).
+WITH leasable AS (
+    SELECT (SELECT t.timeout_seconds FROM gpuq.kind_timeouts t WHERE t.kind = $1) AS default_timeout
+    WHERE NOT EXISTS (SELECT 1 FROM gpuq.paused_kinds p WHERE p.kind = $1)
+      AND NOT EXISTS (SELECT 1 FROM gpuq.limits l WHERE l.scope = 'kind' AND l.name = $1)
+), picked AS (
+    SELECT j.ctid, s.agent, s.batch_id, s.batch_size
+    FROM unnest($2::int8[], $3::text[], $5::int8[], $6::int[]) AS s(id, agent, batch_id, batch_size)
+    JOIN gpuq.jobs j ON j.id = s.id
+    WHERE j.status = 'pending' AND j.shape IS NULL AND j.kind = $1 AND EXISTS (SELECT 1 FROM leasable)
+    FOR UPDATE OF j SKIP LOCKED
+)
+UPDATE gpuq.jobs j
+SET status = 'leased', attempts = j.attempts + 1, lease_token = gen_random_uuid(), leased_by = p.agent,
+    lease_expires_at = now() + make_interval(secs => $4), started_at = now(),
+    deadline_at = now() + make_interval(secs => coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable))),
+    batch_id = p.batch_id, batch_size = p.batch_size
+FROM picked p
+WHERE j.ctid = p.ctid
+RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token, j.priority, j.leased_by,
+          j.payload::text AS payload_json,
+          coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds,
+          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms;
 
 -- name: placed_head
 -- Seconds the next pending job of kind $1 and shape $2 has been due (jobs_placed_idx; no row: none pending).
@@ -439,7 +491,7 @@ SELECT id, was FROM gpuq.cancel($1::bigint[]);
 SELECT id, kind, status::text AS status, priority, attempts, max_attempts, payload::text AS payload,
        result::text AS result, last_error, leased_by, lease_expires_at, run_at, created_at, started_at,
        finished_at, dedup_key, timeout_seconds, deadline_at, progress::text AS progress,
-       gpus, gpu_memory_mb, labels, model, concurrency_key
+       gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, batch_id, batch_size
 FROM gpuq.jobs WHERE id = $1;
 
 -- name: job_attempts

@@ -1,0 +1,203 @@
+"""``gpuq bench batching``: small jobs batched into one handler call against one call per job, same agents.
+
+``--agents`` agents of ``--capacity`` slots run in this process (``gpuq.harness``)
+with one batch handler that sleeps ``--fixed-ms`` + ``--per-item-ms`` per item
+(a GPU forward pass: a fixed cost and a small one per item). Each job carries
+a random ``cost`` (1-512) and the policy a ``--max-cost`` budget.
+
+- Closed loop: ``--jobs`` queued jobs at ``--max-items`` a batch, then
+  ``--unbatched-jobs`` with no policy (one call per job): ``batched_jobs_per_s``,
+  ``unbatched_jobs_per_s``, their ``speedup``; ``ideal_jobs_per_s`` (every slot
+  always running a full batch) and ``ideal_fraction``; the dispatcher's own
+  ceiling, the same batched run with a handler that returns at once
+  (``ceiling_jobs_per_s``, ``ceiling_fraction``: batched over the lower of the
+  two). In the batched run 1 % of the items are poison (their entry is an
+  exception: ``poison_extra_attempts`` counts extra attempts of the good items,
+  must be 0), 1 % are cancelled while queued (``cancelled_ran``: how many of
+  them a handler still got, must be 0), and the handler counts batches whose
+  costs sum over the budget (``cost_violations``, must be 0).
+- Open loop: Poisson arrivals at each of ``--rates`` for ``--open-jobs`` jobs,
+  batched with ``--max-wait-ms`` and unbatched: p50/p99 of enqueue to done
+  (``open_loop``), from the database's own timestamps.
+
+``lost``: good jobs (neither poison nor cancelled) of the batched run not done (must be 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import time
+from typing import Any
+
+import anyio
+
+from gpuq import admin, producer
+from gpuq.bench import common
+from gpuq.db import create_pool
+from gpuq.harness import running_server
+from gpuq.jobs import NewJob
+
+KIND = "bench-batch"
+CHUNK = 5000  # jobs per enqueue statement
+
+
+def register(sub: Any) -> None:
+    def args(p: argparse.ArgumentParser) -> None:
+        common.positive(p, "--agents", 4, "agents")
+        common.positive(p, "--capacity", 4, "slots per agent")
+        common.positive(p, "--jobs", 100_000, "queued jobs of the batched closed loop (and of its ceiling run)")
+        common.positive(p, "--unbatched-jobs", 2_000, "queued jobs of the unbatched closed loop")
+        common.positive(p, "--max-items", 64, "jobs a batch at most")
+        common.positive(p, "--max-cost", 8192, "a batch's cost budget (job costs are 1-512)")
+        common.positive(p, "--max-wait-ms", 10, "the open loop's wait for a partial batch")
+        common.positive(p, "--fixed-ms", 20.0, "the handler's cost per call")
+        common.positive(p, "--per-item-ms", 0.2, "the handler's cost per item")
+        common.positive(p, "--open-jobs", 60, "jobs per open-loop rate and mode")
+        p.add_argument("--rates", type=_rates, default=(2.0, 20.0, 200.0),
+                       help="open-loop arrival rates, jobs/s, comma-separated (default 2,20,200)")
+
+    common.declare(sub, "batching", "small jobs batched into one handler call vs one call per job",
+                   __doc__, args, body, report, failures=failures)
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError("give at least one positive rate")
+    return rates
+
+
+class Handler:
+    """The bench's batch handler: sleeps like a forward pass, checks the budget, fails poison items."""
+
+    def __init__(self, a: argparse.Namespace):
+        self.a, self.sleep = a, True
+        self.seen: set[int] = set()
+        self.cost_violations = 0
+
+    async def __call__(self, jobs: list[Any]) -> list[Any]:
+        self.seen.update(j.id for j in jobs)
+        if len(jobs) > 1 and sum(j.payload.get("cost", 0) for j in jobs) > self.a.max_cost:
+            self.cost_violations += 1
+        if self.sleep:
+            await anyio.sleep((self.a.fixed_ms + self.a.per_item_ms * len(jobs)) / 1000)
+        return [ValueError("poison") if j.payload.get("poison") else None for j in jobs]
+
+
+async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
+    await common.reset_gpuq_schema(t.dsn)
+    handler = Handler(a)
+    out: dict[str, Any] = {"bench": "batching", "agents": a.agents, "capacity": a.capacity, "max_items": a.max_items}
+    async with await create_pool(t.dsn, min_size=1, max_size=4, command_timeout=None) as pool, \
+            running_server(t.dsn, poll_seconds=1) as srv:
+        for i in range(a.agents):
+            await srv.agent([KIND], a.capacity, None, f"batcher-{i}", batch_handler=handler, max_batch=a.max_items)
+        out.update(await closed_loop(pool, a, handler))
+        out["open_loop"] = {f"{rate:g}": await open_loop(pool, a, rate) for rate in a.rates}
+    slots = a.agents * a.capacity
+    out["ideal_jobs_per_s"] = round(slots * a.max_items / ((a.fixed_ms + a.per_item_ms * a.max_items) / 1000), 1)
+    out["ideal_fraction"] = round(out["batched_jobs_per_s"] / out["ideal_jobs_per_s"], 3)
+    out["ceiling_fraction"] = round(out["batched_jobs_per_s"] / min(out["ideal_jobs_per_s"],
+                                                                    out["ceiling_jobs_per_s"]), 3)
+    out["speedup"] = round(out["batched_jobs_per_s"] / out["unbatched_jobs_per_s"], 1)
+    out["cost_violations"] = handler.cost_violations
+    return out
+
+
+async def closed_loop(pool: Any, a: argparse.Namespace, handler: Handler) -> dict[str, Any]:
+    """The batched run (poison, cancels, costs), its no-op ceiling, then the unbatched run."""
+    await admin.set_batching(pool, KIND, a.max_items, max_cost=a.max_cost)
+    common.progress(f"closed loop, batched: {a.jobs:,} jobs at {a.max_items} a batch")
+    rng = random.Random(1)
+    specs = [{"cost": rng.randint(1, 512), "poison": i % 100 == 50} for i in range(a.jobs)]
+    ids, seconds, cancelled = await _run_queued(pool, specs, cancel_every=100)
+    good = [i for i, s in zip(ids, specs, strict=True) if not s["poison"] and i not in cancelled]
+    extra = await pool.fetchval("SELECT coalesce(sum(attempts - 1), 0) FROM gpuq.jobs WHERE id = ANY($1)", good)
+    done = await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE id = ANY($1) AND status = 'done'", good)
+    out = {"batched_jobs_per_s": round((len(ids) - len(cancelled)) / seconds, 1),
+           "poison_extra_attempts": int(extra), "cancelled_ran": len(cancelled & handler.seen),
+           "lost": len(good) - done}  # a good job not done: lost
+    common.progress(f"closed loop, batched, no-op handler (the dispatcher's ceiling): {a.jobs:,} jobs")
+    handler.sleep = False
+    ids, seconds, _ = await _run_queued(pool, [{"cost": 1}] * a.jobs)
+    handler.sleep = True
+    out["ceiling_jobs_per_s"] = round(len(ids) / seconds, 1)
+    await admin.set_batching(pool, KIND, None)
+    common.progress(f"closed loop, unbatched: {a.unbatched_jobs:,} jobs, one call each")
+    ids, seconds, _ = await _run_queued(pool, [{"cost": 1}] * a.unbatched_jobs)
+    out["unbatched_jobs_per_s"] = round(len(ids) / seconds, 1)
+    return out
+
+
+async def _run_queued(pool: Any, specs: list[dict[str, Any]], cancel_every: int = 0) -> tuple[list[int], float, set[int]]:
+    """Queue the jobs while the kind is paused (cancelling every ``cancel_every``-th), resume it, and
+    wait until none is live: ids, seconds from the resume to the last end, the cancelled ids."""
+    await admin.pause(pool, KIND, by="bench")
+    ids: list[int] = []
+    for lo in range(0, len(specs), CHUNK):
+        ids += await producer.enqueue_many(pool, [NewJob(KIND, s, max_attempts=1, cost=s["cost"])
+                                                    for s in specs[lo:lo + CHUNK]])
+    cancelled = set((await admin.cancel(pool, *ids[cancel_every // 2::cancel_every])) if cancel_every else ())
+    began = time.monotonic()
+    await admin.resume(pool, KIND)
+    await _drained(pool, ids, timeout=max(120.0, len(ids) / 100))
+    return ids, time.monotonic() - began, cancelled
+
+
+async def open_loop(pool: Any, a: argparse.Namespace, rate: float) -> dict[str, Any]:
+    """Poisson arrivals at ``rate``, batched (``max_wait_ms``) then unbatched: enqueue -> done p50/p99."""
+    out: dict[str, Any] = {}
+    for mode, items in (("batched", a.max_items), ("unbatched", None)):
+        await admin.set_batching(pool, KIND, items, max_wait_ms=a.max_wait_ms)
+        common.progress(f"open loop, {mode}: {a.open_jobs} jobs at {rate:g}/s")
+        rng = random.Random(2)
+        ids = []
+        for _ in range(a.open_jobs):
+            await anyio.sleep(rng.expovariate(rate))
+            ids.append(await producer.enqueue(pool, KIND, {"cost": 1}, cost=1))
+        await _drained(pool, ids, timeout=120)
+        ms = await pool.fetch("SELECT extract(epoch FROM finished_at - created_at) * 1000 AS ms FROM gpuq.jobs "
+                              "WHERE id = ANY($1) ORDER BY 1", ids)
+        xs = [float(r["ms"]) for r in ms]
+        out[mode] = {"p50_ms": round(_pct(xs, 50), 2), "p99_ms": round(_pct(xs, 99), 2)}
+    return out
+
+
+def _pct(sorted_xs: list[float], p: float) -> float:
+    return sorted_xs[min(len(sorted_xs) - 1, math.ceil(p / 100 * len(sorted_xs)) - 1)]
+
+
+async def _drained(pool: Any, ids: list[int], timeout: float) -> None:
+    with anyio.fail_after(timeout):
+        while await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE id = ANY($1) AND status IN "
+                                  "('pending', 'leased', 'scheduled')", ids):
+            await anyio.sleep(0.05)
+
+
+def failures(r: dict[str, Any]) -> list[str]:
+    return [f"{key} {r[key]}" for key in ("poison_extra_attempts", "cancelled_ran", "cost_violations", "lost") if r[key]]
+
+
+def report(r: dict[str, Any]) -> None:
+    common.print_table(
+        ["closed loop", "jobs/s"],
+        [["batched", r["batched_jobs_per_s"]], ["unbatched (one call per job)", r["unbatched_jobs_per_s"]],
+         ["ideal (every slot a full batch)", r["ideal_jobs_per_s"]],
+         ["dispatcher ceiling (no-op batches)", r["ceiling_jobs_per_s"]]],
+        title=f"batching: {r['agents']} agents x {r['capacity']} slots, {r['max_items']} a batch")
+    print(f"speedup {r['speedup']}x   ideal_fraction {r['ideal_fraction']}   ceiling_fraction {r['ceiling_fraction']}")
+    common.print_table(["rate /s", "batched p50 / p99 ms", "unbatched p50 / p99 ms"],
+                       [[rate, f"{m['batched']['p50_ms']} / {m['batched']['p99_ms']}",
+                         f"{m['unbatched']['p50_ms']} / {m['unbatched']['p99_ms']}"] for rate, m in r["open_loop"].items()],
+                       title="open loop: enqueue -> done")
+    print(f"poison_extra_attempts {r['poison_extra_attempts']}  cancelled_ran {r['cancelled_ran']}  "
+          f"cost_violations {r['cost_violations']}  lost {r['lost']}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(common.standalone("batching"))

@@ -1,0 +1,194 @@
+"""Batching small jobs (issue #31): the policies, the jobs' cost and batch_key columns, and batches end to end."""
+
+import json
+
+import asyncpg
+import pytest
+
+from gpuq import admin, metrics
+from gpuq.harness import TOKEN, http_get, running_server
+from gpuq.jobs import NewJob
+from gpuq.producer import enqueue, enqueue_many
+from tests.helpers import wait_for
+
+
+async def test_a_policy_is_set_changed_listed_and_removed(conn):
+    await admin.set_batching(conn, "embed", 64, max_wait_ms=10)
+    await admin.set_batching(conn, "score", 8, max_cost=4096)
+    await admin.set_batching(conn, "embed", 32)  # a change replaces the whole policy
+    got = [(p["kind"], p["max_items"], p["max_wait_ms"], p["max_cost"]) for p in await admin.batching(conn)]
+    assert got == [("embed", 32, 0, None), ("score", 8, 0, 4096)]
+    await admin.set_batching(conn, "embed", None)
+    await admin.set_batching(conn, "nothing", None)  # removing what is not there: nothing to do
+    assert [p["kind"] for p in await admin.batching(conn)] == ["score"]
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (("bad kind", 4), "bad job kind"),
+    (("embed", 0), "max_items must be 1-4096"),
+    (("embed", 4097), "max_items must be 1-4096"),
+    (("embed", 4, -1), "max_wait_ms must be 0-3600000"),
+    (("embed", 4, 0, 0), "max_cost must be a positive whole number"),
+])
+async def test_a_bad_policy_is_a_clear_error_before_the_statement(conn, args, says):
+    with pytest.raises(ValueError, match=says):
+        await admin.set_batching(conn, *args)
+    assert await admin.batching(conn) == []
+
+
+@pytest.mark.parametrize(("values", "constraint"), [
+    (("embed", 0, 0, None), "batch_policies_items_check"),
+    (("embed", 4, -1, None), "batch_policies_wait_check"),
+    (("embed", 4, 0, 0), "batch_policies_cost_check"),
+    (("bad kind", 4, 0, None), "batch_policies_kind_check"),
+])
+async def test_plain_sql_cannot_store_a_bad_policy(conn, values, constraint):
+    with pytest.raises(asyncpg.CheckViolationError, match=constraint):
+        await conn.execute("INSERT INTO gpuq.batch_policies (kind, max_items, max_wait_ms, max_cost) "
+                           "VALUES ($1, $2, $3, $4)", *values)
+
+
+async def test_a_policy_change_wakes_the_dispatchers(live_conn, dsn):
+    heard: list[str] = []
+    listener = await asyncpg.connect(dsn)
+    try:
+        await listener.add_listener("gpuq_jobs", lambda *args: heard.append(args[-1]))
+        await admin.set_batching(live_conn, "embed", 16)
+        await wait_for(lambda: heard == ["*"])  # every kind: each dispatcher reads the policies again
+    finally:
+        await listener.close()
+
+
+async def test_a_job_keeps_its_cost_and_batch_key_and_sql_checks_them(conn):
+    keyed = await enqueue(conn, "embed", {"t": "hi"}, cost=512, batch_key="len-128")
+    plain = await enqueue(conn, "embed")
+    rows = await conn.fetch("SELECT id, cost, batch_key FROM gpuq.jobs WHERE id = ANY($1) ORDER BY id", [keyed, plain])
+    assert [(r["cost"], r["batch_key"]) for r in rows] == [(512, "len-128"), (None, None)]
+    for cost, batch_key, constraint in ((-1, None, "jobs_cost_check"), (None, "", "jobs_batch_key_check")):
+        with pytest.raises(asyncpg.CheckViolationError, match=constraint):
+            async with conn.transaction():  # a savepoint: the test's transaction goes on
+                await conn.execute("INSERT INTO gpuq.jobs (kind, cost, batch_key) VALUES ('embed', $1, $2)",
+                                   cost, batch_key)
+
+
+def batch_recorder(calls: list, fail_ids: tuple[int, ...] = ()):
+    """A batch handler that records each call's job ids and answers each job its payload's ``i``
+    doubled, or an exception for the ids in ``fail_ids``."""
+    async def handle(jobs):
+        calls.append([j.id for j in jobs])
+        return [ValueError(f"bad item {j.id}") if j.id in fail_ids else j.payload["i"] * 2 for j in jobs]
+    return handle
+
+
+async def _done(conn, ids) -> bool:
+    return await conn.fetchval("SELECT count(*) FROM gpuq.jobs WHERE id = ANY($1) AND status = 'done'", ids) == len(ids)
+
+
+async def test_queued_jobs_go_in_batches_of_at_most_max_items_with_their_own_results(dsn, live_conn):
+    await admin.set_batching(live_conn, "embed", 4)
+    ids = [await enqueue(live_conn, "embed", {"i": i}) for i in range(10)]
+    calls: list = []
+    sizes_before = metrics.REGISTRY.get_sample_value("gpuq_batch_size_count", {"kind": "embed"}) or 0
+    sum_before = metrics.REGISTRY.get_sample_value("gpuq_batch_size_sum", {"kind": "embed"}) or 0
+    formed_before = metrics.REGISTRY.get_sample_value("gpuq_batch_forming_seconds_count", {"kind": "embed"}) or 0
+    async with running_server(dsn, poll_seconds=60) as srv:
+        await srv.agent(["embed"], 1, None, "batcher", batch_handler=batch_recorder(calls), max_batch=64)
+        await wait_for(lambda: _done(live_conn, ids))
+        status = json.loads((await http_get(f"{srv.http}/status", token=TOKEN))[2])
+    assert status["batching"] == [{"kind": "embed", "max_items": 4, "max_wait_ms": 0, "max_cost": None}]
+    assert [a["batch"] for a in status["agents"]] == [64]
+    assert sorted(i for call in calls for i in call) == ids  # each job once
+    assert [len(c) for c in calls] == [4, 4, 2]  # one credit: one batch at a time, in lease order
+    assert calls == [ids[0:4], ids[4:8], ids[8:10]]
+    rows = await live_conn.fetch("SELECT id, result, attempts FROM gpuq.jobs WHERE id = ANY($1) ORDER BY id", ids)
+    assert [r["result"] for r in rows] == [i * 2 for i in range(10)]
+    assert {r["attempts"] for r in rows} == {1}
+    shown = [await admin.show(live_conn, i) for i in (ids[5], ids[9])]  # the batch each ran in: its lead, its size
+    assert [(s["batch_id"], s["batch_size"]) for s in shown] == [(ids[4], 4), (ids[8], 2)]
+    sizes = metrics.REGISTRY.get_sample_value
+    assert sizes("gpuq_batch_size_count", {"kind": "embed"}) - sizes_before == 3
+    assert sizes("gpuq_batch_size_sum", {"kind": "embed"}) - sum_before == 10
+    assert metrics.REGISTRY.get_sample_value("gpuq_batch_forming_seconds_count", {"kind": "embed"}) - formed_before == 10
+
+
+async def test_an_item_s_error_fails_that_job_alone(dsn, live_conn):
+    await admin.set_batching(live_conn, "embed", 8)
+    ids = [await enqueue(live_conn, "embed", {"i": i}, max_attempts=1) for i in range(5)]
+    calls: list = []
+    async with running_server(dsn, poll_seconds=60) as srv:
+        await srv.agent(["embed"], 1, None, "batcher", batch_handler=batch_recorder(calls, fail_ids=(ids[2],)))
+
+        async def ended() -> bool:
+            return await live_conn.fetchval("SELECT count(*) FROM gpuq.jobs WHERE id = ANY($1) "
+                                            "AND status IN ('done', 'dead')", ids) == 5
+
+        await wait_for(ended)
+    rows = {r["id"]: r for r in await live_conn.fetch("SELECT id, status, attempts, last_error FROM gpuq.jobs "
+                                                      "WHERE id = ANY($1)", ids)}
+    assert calls == [ids]
+    assert rows[ids[2]]["status"] == "dead" and f"bad item {ids[2]}" in rows[ids[2]]["last_error"]
+    assert [rows[i]["status"] for i in ids if i != ids[2]] == ["done"] * 4
+    assert {rows[i]["attempts"] for i in ids} == {1}  # no good item ran twice
+
+
+async def test_batches_keep_keys_apart_and_stay_within_the_cost_budget(dsn, live_conn):
+    await admin.set_batching(live_conn, "embed", 64, max_cost=1000)
+    spec = [("short", 400), ("long", 900), ("short", 400), ("short", 400), ("long", 5000), ("long", 50)]
+    ids = [await enqueue(live_conn, "embed", {"i": i}, batch_key=key, cost=cost) for i, (key, cost) in enumerate(spec)]
+    calls: list = []
+    async with running_server(dsn, poll_seconds=60) as srv:
+        await srv.agent(["embed"], 1, None, "batcher", batch_handler=batch_recorder(calls))
+        await wait_for(lambda: _done(live_conn, ids))
+    by_id = dict(zip(ids, spec, strict=True))
+    assert sorted(i for call in calls for i in call) == ids
+    for call in calls:
+        assert len({by_id[i][0] for i in call}) == 1  # one key a batch
+        assert len(call) == 1 or sum(by_id[i][1] for i in call) <= 1000  # within budget, or alone
+    assert [ids[4]] in calls  # over the budget alone: it ran alone
+
+
+async def test_a_partial_batch_waits_max_wait_for_more_and_a_full_one_goes_at_once(dsn, live_conn):
+    await admin.set_batching(live_conn, "embed", 3, max_wait_ms=400)
+    calls: list = []
+    async with running_server(dsn, poll_seconds=60) as srv:
+        await srv.agent(["embed"], 1, None, "batcher", batch_handler=batch_recorder(calls))
+        lone = await enqueue(live_conn, "embed", {"i": 0})
+        await wait_for(lambda: _done(live_conn, [lone]))
+        waited = await live_conn.fetchval("SELECT extract(epoch FROM started_at - run_at) FROM gpuq.jobs WHERE id = $1",
+                                          lone)
+        assert waited >= 0.4  # no more came: it went alone once it had waited max_wait
+        full = await enqueue_many(live_conn, [NewJob("embed", {"i": i}) for i in range(3)])
+        await wait_for(lambda: _done(live_conn, full))
+    assert calls == [[lone], full]
+
+
+async def test_an_agent_without_a_batch_handler_gets_the_batched_kind_one_job_at_a_time(dsn, live_conn):
+    await admin.set_batching(live_conn, "embed", 4)
+    ids = [await enqueue(live_conn, "embed", {"i": i}) for i in range(3)]
+    seen: list = []
+
+    async def single(job):
+        seen.append(job.id)
+        return job.payload["i"]
+
+    async with running_server(dsn, poll_seconds=60) as srv:
+        await srv.agent(["embed"], 1, single, "plain")
+        await wait_for(lambda: _done(live_conn, ids))
+    assert seen == ids
+
+
+async def test_an_agent_gets_batched_kinds_in_batches_and_its_other_kinds_one_by_one(dsn, live_conn):
+    await admin.set_batching(live_conn, "embed", 8)
+    batched = [await enqueue(live_conn, "embed", {"i": i}) for i in range(3)]
+    singles = [await enqueue(live_conn, "other", {"i": i}) for i in range(3)]
+    calls: list = []
+    seen: list = []
+
+    async def single(job):
+        seen.append(job.id)
+        return job.payload["i"]
+
+    async with running_server(dsn, poll_seconds=60) as srv:  # no poll: freed credit must bring the rest
+        await srv.agent(["embed", "other"], 1, single, "both", batch_handler=batch_recorder(calls))
+        await wait_for(lambda: _done(live_conn, batched + singles))
+    assert calls == [batched] and seen == singles
