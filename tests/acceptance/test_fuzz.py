@@ -2,7 +2,7 @@
 
 from gpuq.bench import fuzz
 
-EXAMPLES = 2000
+EXAMPLES = 1500
 
 
 def test_fuzzed_frames_are_all_answered_and_change_no_job(dsn):
