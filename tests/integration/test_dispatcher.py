@@ -6,7 +6,11 @@ from contextlib import asynccontextmanager
 import anyio
 
 from gpuq.harness import TOKEN, http_get, next_of, raw_agent, running_server
-from tests.helpers import dispatcher_idle, sets, wait_count
+from tests.helpers import dispatcher_idle, sets, wait_count, wait_for
+
+
+async def _listening(srv) -> bool:
+    return (await http_get(srv.http + "/healthz"))[0] == 200  # 200: the LISTEN connection is up
 
 
 @asynccontextmanager
@@ -16,6 +20,7 @@ async def job_inserted_silently(dsn, pool, poll_seconds):
     got = anyio.Event()
     async with running_server(dsn, poll_seconds=poll_seconds) as srv:
         await srv.agent(["embed"], 1, sets(got))
+        await wait_for(lambda: _listening(srv))  # else the pass LISTEN's connect owes would find the job
         await dispatcher_idle()  # its first pass found nothing: it waits for a wake-up
         await pool.execute("ALTER TABLE gpuq.jobs DISABLE TRIGGER USER")
         await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('embed')")
