@@ -28,7 +28,8 @@ def log_in(driver, base: str, token: str) -> None:
 
 
 def until(driver, check, timeout: float = 10):
-    return WebDriverWait(driver, timeout).until(check)
+    """Wait for ``check``; an element a live update replaced meanwhile is looked up again."""
+    return WebDriverWait(driver, timeout, ignored_exceptions=(StaleElementReferenceException,)).until(check)
 
 
 def click(driver, css: str) -> bool:
