@@ -18,8 +18,9 @@ The rules (docs/design.md, "Batching"):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,14 @@ class Policy:
     max_wait_ms: int = 0
     max_cost: int | None = None
 
+
+
+def describe(policy: Mapping[str, Any]) -> str:
+    """A kind's policy (``{kind, max_items, max_wait_ms, max_cost}``) as the CLI and the dashboard say it:
+    ``embed: at most 64 a batch, a partial one after 10 ms, cost <= 8192``."""
+    wait = f"a partial one after {policy['max_wait_ms']} ms" if policy["max_wait_ms"] else "a partial one at once"
+    cost = f", cost <= {policy['max_cost']}" if policy["max_cost"] is not None else ""
+    return f"{policy['kind']}: at most {policy['max_items']} a batch, {wait}{cost}"
 
 @dataclass(frozen=True, slots=True)
 class Head:

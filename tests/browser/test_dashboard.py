@@ -219,7 +219,7 @@ async def test_hostile_payloads_and_errors_show_as_text(chrome, dsn, pool):
         await browse(screenshot, chrome, "job-hostile")
 
 
-async def test_an_admin_adds_a_periodic_job_and_sets_a_limit_from_the_controls_page(chrome, dsn, pool):
+async def test_an_admin_adds_a_periodic_job_and_sets_a_limit_and_a_batching_policy_from_the_controls_page(chrome, dsn, pool):
     def steps(base: str) -> None:
         log_in(chrome, base, ADMIN)
         chrome.get(f"{base}/ui/controls")
@@ -239,9 +239,20 @@ async def test_an_admin_adds_a_periodic_job_and_sets_a_limit_from_the_controls_p
         form.find_element(By.TAG_NAME, "button").click()
         until(chrome, lambda d: d.find_element(By.ID, "schedule-result").text.startswith("nightly-eval: first run"))
         until(chrome, lambda d: d.find_elements(By.CSS_SELECTOR, "tr[data-schedule='nightly-eval']"))
+        form = chrome.find_element(By.ID, "batching-form")
+        for name, value in (("kind", "embed"), ("max_items", "5000"), ("max_wait_ms", "10")):
+            form.find_element(By.NAME, name).send_keys(value)
+        form.find_element(By.TAG_NAME, "button").click()
+        until(chrome, lambda d: "max_items must be 1-4096" in d.find_element(By.ID, "batching-result").text)
+        form.find_element(By.NAME, "max_items").clear()
+        form.find_element(By.NAME, "max_items").send_keys("64")
+        form.find_element(By.TAG_NAME, "button").click()
+        until(chrome, lambda d: d.find_element(By.ID, "batching-result").text.startswith("embed: at most 64 a batch"))
+        until(chrome, lambda d: d.find_elements(By.CSS_SELECTOR, "tr[data-batching='embed']"))  # the live table
         screenshot(chrome, "controls")
 
     async with running_server(dsn, **UI) as srv:
         await browse(steps, srv.http)
     assert await pool.fetchval("SELECT max_running FROM gpuq.limits WHERE name = 'train'") == 3
     assert await pool.fetchval("SELECT cron FROM gpuq.schedules WHERE name = 'nightly-eval'") == "0 3 * * *"
+    assert await pool.fetchval("SELECT max_items FROM gpuq.batch_policies WHERE kind = 'embed'") == 64

@@ -414,3 +414,66 @@ async def test_the_overview_says_when_its_counts_were_read(dsn):
         shown = body.split('id="read-at">counts as of ', 1)[1].split(" UTC<", 1)[0]
         at = datetime.strptime(shown, "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC)
         assert abs((datetime.now(UTC) - at).total_seconds()) < 5
+
+
+
+async def _batching(pool) -> list[tuple]:
+    from gpuq import admin as admin_api
+
+    return [(p["kind"], p["max_items"], p["max_wait_ms"], p["max_cost"]) for p in await admin_api.batching(pool)]
+
+
+async def test_the_controls_page_lists_batching_policies_and_a_read_only_session_cannot_change_them(dsn, pool):
+    from gpuq import admin as admin_api
+
+    async with running_server(dsn, **UI) as srv:
+        await admin_api.set_batching(pool, "score", 8, max_cost=4096)  # as `gpuq batch` sets them
+        await admin_api.set_batching(pool, "embed", 64, max_wait_ms=10)
+        read_only = await _admin_headers(srv.port, READ)
+        status, _, body = await request(srv.port, "GET", "/ui/controls", read_only)
+        assert status == 200 and body.index('data-batching="embed"') < body.index('data-batching="score"')
+        row = body.split('<tr data-batching="score">', 1)[1].split("</tr>", 1)[0]
+        assert ">8</td>" in row and ">0 ms</td>" in row and ">4096</td>" in row
+        row = body.split('<tr data-batching="embed">', 1)[1].split("</tr>", 1)[0]
+        assert ">64</td>" in row and ">10 ms</td>" in row and ">–</td>" in row
+        assert "/ui/batching/remove" not in body and 'id="batching-form"' not in body  # read-only: no actions
+        for refused in ("/ui/batching/set?kind=embed&max_items=2", "/ui/batching/remove?kind=score"):
+            assert (await request(srv.port, "POST", refused, read_only))[0] == 403
+        assert await _batching(pool) == [("embed", 64, 10, None), ("score", 8, 0, 4096)]
+
+
+async def test_an_admin_sets_replaces_and_removes_a_batching_policy_with_the_clis_checks(dsn, pool):
+    from structlog.testing import capture_logs
+
+    async with running_server(dsn, **UI) as srv:
+        admin = await _admin_headers(srv.port)
+        with capture_logs() as logged:
+            status, _, body = await request(
+                srv.port, "POST", "/ui/batching/set?kind=embed&max_items=64&max_wait_ms=10&max_cost=8192", admin)
+            assert (status, body) == (200, "embed: at most 64 a batch, a partial one after 10 ms, cost <= 8192")
+            status, _, body = await request(srv.port, "POST", "/ui/batching/set?kind=embed&max_items=32"
+                                                              "&max_wait_ms=&max_cost=", admin)  # blank fields
+            assert (status, body) == (200, "embed: at most 32 a batch, a partial one at once")
+            assert await _batching(pool) == [("embed", 32, 0, None)]  # replaced whole
+            for bad, says in (("kind=embed&max_items=0", "max_items must be 1-4096"),
+                              ("kind=embed&max_items=4097", "max_items must be 1-4096"),
+                              ("kind=embed&max_items=", "give max_items"),
+                              ("kind=embed&max_items=many", "max_items must be a whole number"),
+                              ("kind=embed&max_items=4&max_wait_ms=3600001", "max_wait_ms must be 0-3600000"),
+                              ("kind=embed&max_items=4&max_wait_ms=-1", "max_wait_ms must be 0-3600000"),
+                              ("kind=embed&max_items=4&max_cost=0", "max_cost must be a positive whole number"),
+                              ("kind=embed&max_items=4&max_cost=" + "9" * 30, "max_cost must be a positive"),
+                              ("kind=bad%20kind&max_items=4", "bad job kind")):
+                status, _, body = await request(srv.port, "POST", "/ui/batching/set?" + bad, admin)
+                assert status == 400 and says in body, (bad, status, body)
+            status, _, body = await request(srv.port, "POST", "/ui/batching/remove?kind=bad%20kind", admin)
+            assert status == 400 and "bad job kind" in body
+            assert await _batching(pool) == [("embed", 32, 0, None)]
+            _, _, body = await request(srv.port, "GET", "/ui/controls", admin)
+            assert 'hx-post="/ui/batching/remove?kind=embed"' in body and 'id="batching-form"' in body
+            assert (await request(srv.port, "POST", "/ui/batching/remove?kind=embed", admin))[0] == 204
+            assert await _batching(pool) == []
+            _, _, body = await request(srv.port, "GET", "/ui/controls", admin)
+            assert 'data-batching="embed"' not in body and "none (gpuq batch KIND --max-items N)" in body
+        assert [(e["action"], e["kind"]) for e in logged if e["event"] == "ui.action"] == [
+            ("set_batching", "embed"), ("set_batching", "embed"), ("remove_batching", "embed")]

@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from gpuq import config
+from gpuq.batches import describe
 from gpuq.cli.database import on_db
 from gpuq.cli.errors import CLIError
 from gpuq.cli.output import admin_event
@@ -55,9 +56,3 @@ def cmd_batch(args: argparse.Namespace) -> int:
     print(next((describe(p) for p in policies if p["kind"] == args.kind), f"{args.kind}: not batched"))
     return 0
 
-
-def describe(policy: dict[str, Any]) -> str:
-    """One policy as a line: ``embed: at most 64 a batch, a partial one after 10 ms, cost <= 8192``."""
-    wait = f"a partial one after {policy['max_wait_ms']} ms" if policy["max_wait_ms"] else "a partial one at once"
-    cost = f", cost <= {policy['max_cost']}" if policy["max_cost"] is not None else ""
-    return f"{policy['kind']}: at most {policy['max_items']} a batch, {wait}{cost}"

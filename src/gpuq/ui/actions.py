@@ -14,6 +14,7 @@ from http import HTTPStatus
 from typing import Any
 
 from gpuq import admin, logs, schedules
+from gpuq.batches import describe
 from gpuq.ui import params, views
 
 log = logs.get("ui")
@@ -96,9 +97,32 @@ async def set_timeout(pool: Any, query: dict[str, str]) -> Outcome:
     return HTTPStatus.OK, f"{kind}: " + ("no default timeout" if seconds is None else f"{seconds} s")
 
 
+
+async def set_batching(pool: Any, query: dict[str, str]) -> Outcome:
+    """``gpuq batch KIND --max-items N [--max-wait-ms MS] [--max-cost C]``: sets or replaces the kind's policy
+    (blank max_wait_ms: 0, blank max_cost: no budget); ``admin.set_batching`` checks the ranges."""
+    kind, items = query.get("kind", "").strip(), params.whole(query, "max_items")
+    wait, cost = params.whole(query, "max_wait_ms") or 0, params.whole(query, "max_cost")
+    if items is None:  # None would remove the policy: that is the Remove button's
+        raise ValueError("give max_items: the most jobs in one batch (Remove takes a policy away)")
+    await admin.set_batching(pool, kind, items, wait, cost)
+    log.info("ui.action", action="set_batching", kind=kind, max_items=items, max_wait_ms=wait, max_cost=cost)
+    policy = {"kind": kind, "max_items": items, "max_wait_ms": wait, "max_cost": cost}
+    return HTTPStatus.OK, describe(policy)
+
+
+async def remove_batching(pool: Any, query: dict[str, str]) -> Outcome:
+    """``gpuq batch KIND none``: the kind's jobs go one by one again (no policy: nothing to do)."""
+    kind = query.get("kind", "").strip()
+    await admin.set_batching(pool, kind, None)
+    log.info("ui.action", action="remove_batching", kind=kind)
+    return DONE
+
+
 ACTIONS: dict[str, Callable[[Any, dict[str, str]], Awaitable[Outcome]]] = {
     "/ui/kinds/pause": pause, "/ui/kinds/resume": resume, "/ui/jobs/cancel": cancel, "/ui/jobs/retry": retry,
     "/ui/schedules/add": add_schedule, "/ui/schedules/remove": remove_schedule,
     "/ui/limits/set": set_limit, "/ui/timeouts/set": set_timeout,
+    "/ui/batching/set": set_batching, "/ui/batching/remove": remove_batching,
 }
 

@@ -97,10 +97,12 @@ def pretty(value: Any) -> str | None:
 
 async def controls(fleet: Fleet) -> dict[str, Any]:
     """What operators set with the CLI: paused kinds, limits (with what runs under each), kinds'
-    default timeouts, periodic jobs. Small tables; a limit's count reads the leased partial indexes."""
+    default timeouts, batching policies, periodic jobs. Small tables; a limit's count reads the leased
+    partial indexes."""
     pool = fleet.pool
     return {"paused": await admin.paused(pool), "limits": await admin.limits(pool),
-            "timeouts": await admin.kind_timeouts(pool), "schedules": await schedules.listing(pool)}
+            "timeouts": await admin.kind_timeouts(pool), "batching": await admin.batching(pool),
+            "schedules": await schedules.listing(pool)}
 
 
 def when(at: datetime | None, seconds: bool = False) -> str:
