@@ -72,6 +72,15 @@ async def record(job: Job) -> dict[str, Any]:
     return {"token": job.lease_token}
 
 
+async def record_batch(jobs: list[Job]) -> list[dict[str, Any]]:
+    """Chaos with batching: ``record`` for a batch, its executions in one write, one work time."""
+    os.write(_exec_log(), "".join(f"{j.id} {j.lease_token} {os.getpid()}\n" for j in jobs).encode())
+    work_s = float(os.environ.get(WORK_MS_ENV, "0") or 0) / 1000.0
+    if work_s > 0:
+        await anyio.sleep(random.uniform(0, 2 * work_s))
+    return [{"token": j.lease_token} for j in jobs]
+
+
 async def timed(job: Job) -> dict[str, float]:
     """Sleep ``payload["sleep"]`` seconds (default 0.05); the result is when it ran (wall clock), for
     counting how many ran at once across agent processes."""
