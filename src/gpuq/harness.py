@@ -277,11 +277,13 @@ def serve_argv(dsn: str, port: int, token: str = TOKEN, **flags: Any) -> list[st
             "--tokens", token, "--log-level", "warning", "--log-format", "json", *_flags(flags)]
 
 
-def agent_argv(url: str, name: str, handler: str, capacity: int, kinds: str = KIND,
-               token: str = TOKEN) -> list[str]:
+def agent_argv(url: str, name: str, handler: str | None, capacity: int, kinds: str = KIND,
+               token: str = TOKEN, **flags: Any) -> list[str]:
+    """``gpuq agent`` with JSON logs at warning; ``handler`` None: none (a batch handler in ``flags``
+    takes single jobs too); ``flags`` as ``--name value``."""
     return ["-m", "gpuq.cli", "agent", "--url", url, "--token", token, "--kinds", kinds,
-            "--capacity", str(capacity), "--handler", handler, "--name", name,
-            "--log-level", "warning", "--log-format", "json"]
+            "--capacity", str(capacity), *(["--handler", handler] if handler else []), "--name", name,
+            "--log-level", "warning", "--log-format", "json", *_flags(flags)]
 
 
 def _flags(flags: dict[str, Any]) -> list[str]:
@@ -307,11 +309,13 @@ class Fleet:
                            {**UNLIMITED_ENV, **(env or {})})
         self.wait(lambda: bool(http_json(self.port, "/healthz").get("ok")), 30, "serve /healthz")
 
-    def start_agents(self, n: int, capacity: int, handler: str = "gpuq.demo:noop",
-                     env: dict[str, str] | None = None, kinds: str = KIND, prefix: str = "bench") -> None:
+    def start_agents(self, n: int, capacity: int, handler: str | None = "gpuq.demo:noop",
+                     env: dict[str, str] | None = None, kinds: str = KIND, prefix: str = "bench",
+                     **flags: Any) -> None:
+        """n agent processes; ``flags``: more of ``gpuq agent``'s, as ``--name value``."""
         for i in range(n):
-            self.agents.append(spawn(f"agent-{i}", agent_argv(self.url, f"{prefix}-{i}", handler, capacity, kinds),
-                                     self.logdir, env))
+            argv = agent_argv(self.url, f"{prefix}-{i}", handler, capacity, kinds, **flags)
+            self.agents.append(spawn(f"agent-{i}", argv, self.logdir, env))
         self.wait_connected(n)
 
     def start_swarm(self, n: int, per_process: int, capacity: int = 1, handler: str = "gpuq.demo:noop") -> None:

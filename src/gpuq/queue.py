@@ -180,10 +180,13 @@ async def lease_placed(db: DB, shape: Shape, slots: Sequence[str], lease_seconds
 
 
 def _placed_jobs(shape: Shape, rows: list[Any]) -> list[LeasedJob]:
-    return [LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
-                      r["leased_by"], r["payload_json"], r["timeout_seconds"], shape.gpus, shape.gpu_memory_mb,
-                      r["queued_ms"], shape.model)
-            for r in sorted(rows, key=_BY_SLOT)]
+    return [_placed(shape, r) for r in sorted(rows, key=_BY_SLOT)]
+
+
+def _placed(shape: Shape, r: Any) -> LeasedJob:
+    return LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
+                     r["leased_by"], r["payload_json"], r["timeout_seconds"], shape.gpus, shape.gpu_memory_mb,
+                     r["queued_ms"], shape.model)
 
 
 # A limited lease reads at most this many of a keyed shape's next jobs looking
@@ -213,18 +216,22 @@ async def placed_head_wait(db: DB, shape: Shape) -> float | None:
     return await db.fetchval(queries["placed_head"], shape.kind, shape.digest)
 
 
-async def batch_head(db: DB, kind: str, n: int) -> list[Head]:
-    """The next ``n`` pending plain jobs of ``kind`` in lease order, as the batch rules read them
-    (none while the kind is paused or limited). Locks nothing: ``lease_batched`` takes them."""
-    return [Head(r["id"], r["cost"], r["batch_key"], r["waited_ms"], r["timeout_seconds"])
-            for r in await db.fetch(queries["batch_head"], kind, n)]
+async def batch_head(db: DB, kind: str, n: int, shape: Shape | None = None) -> list[Head]:
+    """The next ``n`` pending jobs of ``kind`` in lease order, plain ones or those of ``shape``, as
+    the batch rules read them (none while the kind is paused or limited, nor any under a limited
+    key). Locks nothing: ``lease_batched`` takes them."""
+    if shape is None:
+        rows = await db.fetch(queries["batch_head"], kind, n)
+    else:
+        rows = await db.fetch(queries["batch_head_placed"], kind, shape.digest, n)
+    return [Head(r["id"], r["cost"], r["batch_key"], r["waited_ms"], r["timeout_seconds"]) for r in rows]
 
 
 async def lease_batched(db: DB, kind: str, batches: Sequence[tuple[str, Sequence[int]]],
-                        lease_seconds: float) -> dict[int, LeasedJob]:
-    """Lease batches of pending plain jobs of ``kind``: ``(agent, job ids)`` each, recorded on each
-    job as ``batch_id`` (its first job's id) and ``batch_size``; each leased job by id (one leased,
-    cancelled or paused since ``batch_head`` is not among them)."""
+                        lease_seconds: float, shape: Shape | None = None) -> dict[int, LeasedJob]:
+    """Lease batches of pending jobs of ``kind``, plain ones or those of ``shape``: ``(agent, job ids)``
+    each, recorded on each job as ``batch_id`` (its first job's id) and ``batch_size``; each leased
+    job by id (one leased, cancelled or paused since ``batch_head`` is not among them)."""
     ids, agents, batch_ids, sizes = [], [], [], []
     for agent, members in batches:
         for job_id in members:
@@ -232,8 +239,11 @@ async def lease_batched(db: DB, kind: str, batches: Sequence[tuple[str, Sequence
             agents.append(agent)
             batch_ids.append(members[0])
             sizes.append(len(members))
-    rows = await db.fetch(queries["lease_batched"], kind, ids, agents, lease_seconds, batch_ids, sizes)
-    return {r["id"]: _leased(r) for r in rows}
+    rows = await db.fetch(queries["lease_batched"], kind, ids, agents, lease_seconds, batch_ids, sizes,
+                          None if shape is None else shape.digest)
+    if shape is None:
+        return {r["id"]: _leased(r) for r in rows}
+    return {r["id"]: _placed(shape, r) for r in rows}
 
 
 async def placed_pending(db: DB) -> dict[tuple[str, str], tuple[int, datetime]]:

@@ -48,7 +48,7 @@ def test_read_executions_skips_torn_lines(tmp_path):
 async def test_chaos_run_loses_nothing_and_completes_nothing_twice(dsn, cluster):
     cfg = ChaosConfig(jobs=2000, seconds=12, agents=6, capacity=8, work_ms=50, kill_min=0.8,
                       kill_max=1.5, dispatcher_kills=2, pg_restart=cluster is not None,
-                      lease_seconds=4, heartbeat_seconds=1, drain_timeout=60, seed=5)
+                      lease_seconds=4, heartbeat_seconds=1, drain_timeout=60, seed=5, batch=8)
     try:
         out = await run_chaos(dsn, cluster, cfg)
     finally:
@@ -61,6 +61,7 @@ async def test_chaos_run_loses_nothing_and_completes_nothing_twice(dsn, cluster)
     assert out["inserted"] == 2000
     assert out["lost"] == 0 and out["live"] == 0
     assert out["done"] + out["dead"] == 2000
+    assert out["done_in_batches"] > 0  # half the agents took the kind in batches (batch=8)
     assert out["double_completed"] == 0
     assert out["wrong_result"] == 0
     assert out["completed_without_execution"] == 0

@@ -2,6 +2,7 @@
 
 import json
 
+import anyio
 import asyncpg
 import pytest
 
@@ -192,3 +193,43 @@ async def test_an_agent_gets_batched_kinds_in_batches_and_its_other_kinds_one_by
         await srv.agent(["embed", "other"], 1, single, "both", batch_handler=batch_recorder(calls))
         await wait_for(lambda: _done(live_conn, batched + singles))
     assert calls == [batched] and seen == singles
+
+
+async def test_placed_jobs_batch_per_shape_and_each_batch_takes_one_device(dsn, live_conn):
+    from gpuq.protocol import Device
+
+    await admin.set_batching(live_conn, "embed", 3)
+    gpu = [await enqueue(live_conn, "embed", {"i": i}, gpus=1, model="bge") for i in range(6)]
+    keyed = [await enqueue(live_conn, "embed", {"i": i}, concurrency_key="tenant-a") for i in range(2)]
+    calls: list = []
+    both_running = anyio.Event()
+
+    async def handle(jobs):
+        calls.append(([j.id for j in jobs], {tuple(j.devices) for j in jobs}))
+        if sum(1 for ids, devices in calls if devices != {()}) == 2:
+            both_running.set()
+        if jobs[0].devices:
+            await both_running.wait()  # two batches at once: one on each device
+        return [j.payload["i"] for j in jobs]
+
+    async with running_server(dsn, poll_seconds=60) as srv:
+        await srv.agent(["embed"], 1, None, "gpu-box", batch_handler=handle, max_batch=64,
+                        devices=[Device(0, "h100", 81920), Device(1, "h100", 81920)], models=["bge"])
+        await wait_for(lambda: _done(live_conn, gpu + keyed))
+    gpu_calls = [(ids, devices) for ids, devices in calls if devices != {()}]
+    assert sorted(ids for ids, _ in gpu_calls) == [gpu[0:3], gpu[3:6]]  # one shape, in lease order
+    assert sorted(devices for _, devices in gpu_calls) == [{(0,)}, {(1,)}]  # a batch shares its one device
+    assert [ids for ids, devices in calls if devices == {()}] == [keyed]  # keyed jobs (a shape too) batch
+    rows = await live_conn.fetch("SELECT batch_id, batch_size FROM gpuq.jobs WHERE id = ANY($1) ORDER BY id", gpu)
+    assert [(r["batch_id"], r["batch_size"]) for r in rows] == [(gpu[0], 3)] * 3 + [(gpu[3], 3)] * 3
+
+
+async def test_a_limited_key_s_batched_jobs_go_one_by_one(dsn, live_conn):
+    await admin.set_batching(live_conn, "embed", 8)
+    await admin.set_limit(live_conn, "key", "tenant-a", 1)
+    ids = [await enqueue(live_conn, "embed", {"i": i}, concurrency_key="tenant-a") for i in range(3)]
+    calls: list = []
+    async with running_server(dsn, poll_seconds=60) as srv:
+        await srv.agent(["embed"], 4, None, "batcher", batch_handler=batch_recorder(calls))
+        await wait_for(lambda: _done(live_conn, ids))
+    assert calls == [[i] for i in ids]  # a limit counts jobs: each alone, within it

@@ -1,9 +1,11 @@
 """``gpuq bench batching``: small jobs batched into one handler call against one call per job, same agents.
 
-``--agents`` agents of ``--capacity`` slots run in this process (``gpuq.harness``)
-with one batch handler that sleeps ``--fixed-ms`` + ``--per-item-ms`` per item
-(a GPU forward pass: a fixed cost and a small one per item). Each job carries
-a random ``cost`` (1-512) and the policy a ``--max-cost`` budget.
+``gpuq serve`` and ``--agents`` agents of ``--capacity`` slots run as processes
+(``harness.Fleet``), each agent with one batch handler
+(``gpuq.bench.handlers:batch_sleep``) that sleeps ``--fixed-ms`` + ``--per-item-ms``
+per item (a GPU forward pass: a fixed cost and a small one per item); the
+unbatched runs give it single jobs. Each job carries a random ``cost``
+(1-512) and the policy a ``--max-cost`` budget.
 
 - Closed loop: ``--jobs`` queued jobs at ``--max-items`` a batch, then
   ``--unbatched-jobs`` with no policy (one call per job): ``batched_jobs_per_s``,
@@ -14,8 +16,8 @@ a random ``cost`` (1-512) and the policy a ``--max-cost`` budget.
   two). In the batched run 1 % of the items are poison (their entry is an
   exception: ``poison_extra_attempts`` counts extra attempts of the good items,
   must be 0), 1 % are cancelled while queued (``cancelled_ran``: how many of
-  them a handler still got, must be 0), and the handler counts batches whose
-  costs sum over the budget (``cost_violations``, must be 0).
+  them were still leased, must be 0), and ``cost_violations`` counts batches
+  (as recorded on the jobs) whose costs sum over the budget (must be 0).
 - Open loop: Poisson arrivals at each of ``--rates`` for ``--open-jobs`` jobs,
   batched with ``--max-wait-ms`` and unbatched: p50/p99 of enqueue to done
   (``open_loop``), from the database's own timestamps.
@@ -35,12 +37,12 @@ import anyio
 
 from gpuq import admin, producer
 from gpuq.bench import common
-from gpuq.db import create_pool
-from gpuq.harness import running_server
+from gpuq.harness import Fleet
 from gpuq.jobs import NewJob
 
 KIND = "bench-batch"
 CHUNK = 5000  # jobs per enqueue statement
+HANDLER = "gpuq.bench.handlers:batch_sleep"
 
 
 def register(sub: Any) -> None:
@@ -72,96 +74,83 @@ def _rates(text: str) -> tuple[float, ...]:
     return rates
 
 
-class Handler:
-    """The bench's batch handler: sleeps like a forward pass, checks the budget, fails poison items."""
-
-    def __init__(self, a: argparse.Namespace):
-        self.a, self.sleep = a, True
-        self.seen: set[int] = set()
-        self.cost_violations = 0
-
-    async def __call__(self, jobs: list[Any]) -> list[Any]:
-        self.seen.update(j.id for j in jobs)
-        if len(jobs) > 1 and sum(j.payload.get("cost", 0) for j in jobs) > self.a.max_cost:
-            self.cost_violations += 1
-        if self.sleep:
-            await anyio.sleep((self.a.fixed_ms + self.a.per_item_ms * len(jobs)) / 1000)
-        return [ValueError("poison") if j.payload.get("poison") else None for j in jobs]
-
-
 async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
-    await common.reset_gpuq_schema(t.dsn)
-    handler = Handler(a)
     out: dict[str, Any] = {"bench": "batching", "agents": a.agents, "capacity": a.capacity, "max_items": a.max_items}
-    async with await create_pool(t.dsn, min_size=1, max_size=4, command_timeout=None) as pool, \
-            running_server(t.dsn, poll_seconds=1) as srv:
-        for i in range(a.agents):
-            await srv.agent([KIND], a.capacity, None, f"batcher-{i}", batch_handler=handler, max_batch=a.max_items)
-        out.update(await closed_loop(pool, a, handler))
-        out["open_loop"] = {f"{rate:g}": await open_loop(pool, a, rate) for rate in a.rates}
+    async with common.fleet_on(t.dsn) as (fleet, conn, _):
+        common.progress(f"starting gpuq serve on 127.0.0.1:{fleet.port} and {a.agents} agents "
+                        f"(capacity {a.capacity}, batches of up to {a.max_items}); logs in {fleet.logdir}")
+        await anyio.to_thread.run_sync(fleet.start_serve)
+        await anyio.to_thread.run_sync(lambda: fleet.start_agents(a.agents, a.capacity, None, kinds=KIND,
+                                                                  batch_handler=HANDLER, max_batch=a.max_items))
+        out.update(await closed_loop(conn, fleet, a))
+        out["open_loop"] = {f"{rate:g}": await open_loop(conn, fleet, a, rate) for rate in a.rates}
     slots = a.agents * a.capacity
     out["ideal_jobs_per_s"] = round(slots * a.max_items / ((a.fixed_ms + a.per_item_ms * a.max_items) / 1000), 1)
     out["ideal_fraction"] = round(out["batched_jobs_per_s"] / out["ideal_jobs_per_s"], 3)
     out["ceiling_fraction"] = round(out["batched_jobs_per_s"] / min(out["ideal_jobs_per_s"],
                                                                     out["ceiling_jobs_per_s"]), 3)
     out["speedup"] = round(out["batched_jobs_per_s"] / out["unbatched_jobs_per_s"], 1)
-    out["cost_violations"] = handler.cost_violations
     return out
 
 
-async def closed_loop(pool: Any, a: argparse.Namespace, handler: Handler) -> dict[str, Any]:
+async def closed_loop(conn: Any, fleet: Fleet, a: argparse.Namespace) -> dict[str, Any]:
     """The batched run (poison, cancels, costs), its no-op ceiling, then the unbatched run."""
-    await admin.set_batching(pool, KIND, a.max_items, max_cost=a.max_cost)
+    await admin.set_batching(conn, KIND, a.max_items, max_cost=a.max_cost)
     common.progress(f"closed loop, batched: {a.jobs:,} jobs at {a.max_items} a batch")
     rng = random.Random(1)
-    specs = [{"cost": rng.randint(1, 512), "poison": i % 100 == 50} for i in range(a.jobs)]
-    ids, seconds, cancelled = await _run_queued(pool, specs, cancel_every=100)
+    cost = {"fixed_ms": a.fixed_ms, "per_item_ms": a.per_item_ms}
+    specs = [{"cost": rng.randint(1, 512), "poison": i % 100 == 50, **cost} for i in range(a.jobs)]
+    ids, seconds, cancelled = await _run_queued(conn, fleet, specs, cancel_every=100)
     good = [i for i, s in zip(ids, specs, strict=True) if not s["poison"] and i not in cancelled]
-    extra = await pool.fetchval("SELECT coalesce(sum(attempts - 1), 0) FROM gpuq.jobs WHERE id = ANY($1)", good)
-    done = await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE id = ANY($1) AND status = 'done'", good)
+    extra = await conn.fetchval("SELECT coalesce(sum(attempts - 1), 0) FROM gpuq.jobs WHERE id = ANY($1)", good)
+    done = await conn.fetchval("SELECT count(*) FROM gpuq.jobs WHERE id = ANY($1) AND status = 'done'", good)
+    ran = await conn.fetchval("SELECT count(*) FROM gpuq.jobs WHERE id = ANY($1) AND attempts > 0", list(cancelled))
+    over = await conn.fetchval("SELECT count(*) FROM (SELECT batch_id FROM gpuq.jobs WHERE id = ANY($1) AND batch_size > 1 "
+                               "GROUP BY batch_id HAVING sum(cost) > $2) b", ids, a.max_cost)
     out = {"batched_jobs_per_s": round((len(ids) - len(cancelled)) / seconds, 1),
-           "poison_extra_attempts": int(extra), "cancelled_ran": len(cancelled & handler.seen),
+           "poison_extra_attempts": int(extra), "cancelled_ran": ran, "cost_violations": over,
            "lost": len(good) - done}  # a good job not done: lost
     common.progress(f"closed loop, batched, no-op handler (the dispatcher's ceiling): {a.jobs:,} jobs")
-    handler.sleep = False
-    ids, seconds, _ = await _run_queued(pool, [{"cost": 1}] * a.jobs)
-    handler.sleep = True
+    ids, seconds, _ = await _run_queued(conn, fleet, [{"cost": 1}] * a.jobs)
     out["ceiling_jobs_per_s"] = round(len(ids) / seconds, 1)
-    await admin.set_batching(pool, KIND, None)
+    await admin.set_batching(conn, KIND, None)
     common.progress(f"closed loop, unbatched: {a.unbatched_jobs:,} jobs, one call each")
-    ids, seconds, _ = await _run_queued(pool, [{"cost": 1}] * a.unbatched_jobs)
+    ids, seconds, _ = await _run_queued(conn, fleet, [{"cost": 1, **cost}] * a.unbatched_jobs)
     out["unbatched_jobs_per_s"] = round(len(ids) / seconds, 1)
     return out
 
 
-async def _run_queued(pool: Any, specs: list[dict[str, Any]], cancel_every: int = 0) -> tuple[list[int], float, set[int]]:
+async def _run_queued(conn: Any, fleet: Fleet, specs: list[dict[str, Any]],
+                      cancel_every: int = 0) -> tuple[list[int], float, set[int]]:
     """Queue the jobs while the kind is paused (cancelling every ``cancel_every``-th), resume it, and
-    wait until none is live: ids, seconds from the resume to the last end, the cancelled ids."""
-    await admin.pause(pool, KIND, by="bench")
+    wait until none is live: ids, seconds from the resume to the last end, the cancelled ids.
+    A cancelled job never leased has no attempt: ``cancelled_ran`` counts those with one."""
+    await admin.pause(conn, KIND, by="bench")
     ids: list[int] = []
     for lo in range(0, len(specs), CHUNK):
-        ids += await producer.enqueue_many(pool, [NewJob(KIND, s, max_attempts=1, cost=s["cost"])
+        ids += await producer.enqueue_many(conn, [NewJob(KIND, s, max_attempts=1, cost=s["cost"])
                                                     for s in specs[lo:lo + CHUNK]])
-    cancelled = set((await admin.cancel(pool, *ids[cancel_every // 2::cancel_every])) if cancel_every else ())
+    cancelled = set((await admin.cancel(conn, *ids[cancel_every // 2::cancel_every])) if cancel_every else ())
     began = time.monotonic()
-    await admin.resume(pool, KIND)
-    await _drained(pool, ids, timeout=max(120.0, len(ids) / 100))
+    await admin.resume(conn, KIND)
+    await _drained(conn, fleet, ids, timeout=max(120.0, len(ids) / 100))
     return ids, time.monotonic() - began, cancelled
 
 
-async def open_loop(pool: Any, a: argparse.Namespace, rate: float) -> dict[str, Any]:
+async def open_loop(conn: Any, fleet: Fleet, a: argparse.Namespace, rate: float) -> dict[str, Any]:
     """Poisson arrivals at ``rate``, batched (``max_wait_ms``) then unbatched: enqueue -> done p50/p99."""
     out: dict[str, Any] = {}
+    cost = {"cost": 1, "fixed_ms": a.fixed_ms, "per_item_ms": a.per_item_ms}
     for mode, items in (("batched", a.max_items), ("unbatched", None)):
-        await admin.set_batching(pool, KIND, items, max_wait_ms=a.max_wait_ms)
+        await admin.set_batching(conn, KIND, items, max_wait_ms=a.max_wait_ms)
         common.progress(f"open loop, {mode}: {a.open_jobs} jobs at {rate:g}/s")
         rng = random.Random(2)
         ids = []
         for _ in range(a.open_jobs):
             await anyio.sleep(rng.expovariate(rate))
-            ids.append(await producer.enqueue(pool, KIND, {"cost": 1}, cost=1))
-        await _drained(pool, ids, timeout=120)
-        ms = await pool.fetch("SELECT extract(epoch FROM finished_at - created_at) * 1000 AS ms FROM gpuq.jobs "
+            ids.append(await producer.enqueue(conn, KIND, cost, cost=1))
+        await _drained(conn, fleet, ids, timeout=120)
+        ms = await conn.fetch("SELECT extract(epoch FROM finished_at - created_at) * 1000 AS ms FROM gpuq.jobs "
                               "WHERE id = ANY($1) ORDER BY 1", ids)
         xs = [float(r["ms"]) for r in ms]
         out[mode] = {"p50_ms": round(_pct(xs, 50), 2), "p99_ms": round(_pct(xs, 99), 2)}
@@ -172,11 +161,12 @@ def _pct(sorted_xs: list[float], p: float) -> float:
     return sorted_xs[min(len(sorted_xs) - 1, math.ceil(p / 100 * len(sorted_xs)) - 1)]
 
 
-async def _drained(pool: Any, ids: list[int], timeout: float) -> None:
-    with anyio.fail_after(timeout):
-        while await pool.fetchval("SELECT count(*) FROM gpuq.jobs WHERE id = ANY($1) AND status IN "
-                                  "('pending', 'leased', 'scheduled')", ids):
-            await anyio.sleep(0.05)
+async def _drained(conn: Any, fleet: Fleet, ids: list[int], timeout: float) -> None:
+    async def empty() -> bool:
+        return not await conn.fetchval("SELECT count(*) FROM gpuq.jobs WHERE id = ANY($1) AND status IN "
+                                       "('pending', 'leased', 'scheduled')", ids)
+
+    await common.wait_until(empty, fleet, timeout, "the jobs to end")
 
 
 def failures(r: dict[str, Any]) -> list[str]:

@@ -4,7 +4,10 @@ Real processes on 127.0.0.1: two ``gpuq serve`` on one database (different
 ports), ``--agents`` ``gpuq agent`` processes (half on each serve) whose
 handler (``gpuq.bench.handlers:record``) appends every execution (job id,
 lease token, pid) to a file per process, and a producer inserting at a steady
-rate until ``--jobs`` rows exist. Meanwhile: SIGKILL a random agent every
+rate until ``--jobs`` rows exist. With ``--batch N`` the kind has a batching
+policy of N items and every other agent takes batches
+(``gpuq.bench.handlers:record_batch``): batched and one-by-one agents share
+the kind. Meanwhile: SIGKILL a random agent every
 1-2 s and restart it, SIGKILL each dispatcher once (``--dispatcher-kills``,
 default 2) and restart it on the same port, and restart PostgreSQL once with
 ``pg_ctl restart -m immediate`` (embedded cluster only). Then drain.
@@ -35,6 +38,7 @@ from typing import Any
 import anyio
 import asyncpg
 
+from gpuq import admin
 from gpuq.bench import common
 from gpuq.bench.handlers import EXEC_DIR_ENV, WORK_MS_ENV
 from gpuq.bench.measure import count_errors
@@ -89,6 +93,7 @@ class ChaosConfig:
     drain_timeout: float = 180.0
     seed: int | None = None
     keep_logs: bool = False
+    batch: int = 0  # the kind's batching policy (items); every other agent takes batches (0: none)
 
 
 @dataclass(eq=False)
@@ -138,8 +143,10 @@ class ChaosRun:
                               heartbeat_seconds=self.cfg.heartbeat_seconds, poll_seconds=0.5, drain_seconds=2)
             env = dict(UNLIMITED_ENV, GPUQ_SWEEP_SECONDS="1")
         else:
+            batches = {"batch_handler": "gpuq.bench.handlers:record_batch", "max_batch": self.cfg.batch}
             argv = agent_argv(f"ws://127.0.0.1:{m.serve.port}/agent", f"chaos-{m.name}",
-                              "gpuq.bench.handlers:record", self.cfg.capacity, kinds=KIND)
+                              "gpuq.bench.handlers:record", self.cfg.capacity, kinds=KIND,
+                              **(batches if self.cfg.batch and self.agents.index(m) % 2 else {}))
             env = {EXEC_DIR_ENV: str(self.execdir), WORK_MS_ENV: str(self.cfg.work_ms)}
         m.proc = spawn(f"{m.name}.{m.incarnation}", argv, self.logdir, env)
 
@@ -271,6 +278,8 @@ class ChaosRun:
         conn = await asyncpg.connect(self.dsn)
         try:
             await install_witness(conn)
+            if self.cfg.batch:
+                await admin.set_batching(conn, KIND, self.cfg.batch)
         finally:
             await conn.close()
         out: dict[str, Any] = {}
@@ -342,7 +351,7 @@ async def run_chaos(dsn: str, cluster: Cluster | None, cfg: ChaosConfig) -> dict
 
 # -- gpuq bench chaos ----------------------------------------------------------
 
-SUMMARY = ("done", "lost", "dead", "double_completed", "wrong_result", "duplicate_executions", "agent_kills",
+SUMMARY = ("done", "done_in_batches", "lost", "dead", "double_completed", "wrong_result", "duplicate_executions", "agent_kills",
            "dispatcher_kills", "pg_restarts", "seconds", "live", "executions", "requested",
            "completed_without_execution", "pg_restart_skipped", "serve_crashes", "agent_crashes",
            "serve_error_lines", "max_attempts_seen", "dead_reasons")
@@ -350,7 +359,7 @@ SUMMARY = ("done", "lost", "dead", "double_completed", "wrong_result", "duplicat
 
 def report(out: dict[str, Any]) -> None:
     common.print_pairs("gpuq chaos run", [(k.replace("_", " "), out[k]) for k in (
-        "inserted", "done", "dead", "lost", "live", "double_completed", "wrong_result",
+        "inserted", "done", "done_in_batches", "dead", "lost", "live", "double_completed", "wrong_result",
         "completed_without_execution", "executions", "duplicate_executions", "max_attempts_seen", "agent_kills",
         "dispatcher_kills", "pg_restarts", "insert_errors", "serve_crashes", "agent_crashes",
         "serve_error_lines", "seconds")] + [("crash log", p) for p in out["crash_logs"]])
@@ -373,12 +382,14 @@ def register(sub: Any) -> None:
                        help="give up waiting for the queue to empty after this long (default 180)")
         p.add_argument("--seed", type=int, default=None, help="seed of the kill schedule")
         p.add_argument("--keep-logs", action="store_true", help="keep process logs even on success")
+        p.add_argument("--batch", type=int, default=0,
+                       help="batch the kind, N items a batch, on every other agent (default 0: no batching)")
 
     async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
         cfg = ChaosConfig(jobs=a.jobs, seconds=a.seconds, agents=a.agents, capacity=a.capacity,
                           work_ms=a.work_ms, dispatcher_kills=a.dispatcher_kills, pg_restart=not a.no_pg_restart,
                           lease_seconds=a.lease_seconds, heartbeat_seconds=min(1.0, a.lease_seconds / 3),
-                          drain_timeout=a.drain_timeout, seed=a.seed, keep_logs=a.keep_logs)
+                          drain_timeout=a.drain_timeout, seed=a.seed, keep_logs=a.keep_logs, batch=a.batch)
         return await run_chaos(t.dsn, t.cluster, cfg)
 
     common.declare(sub, "chaos", "kill agents, dispatchers and PostgreSQL mid-run: nothing lost, nothing completed "

@@ -25,6 +25,17 @@ async def latency(job: Job) -> dict[str, Any]:
     return {"lat_ms": (start - float(sent)) * 1000 if sent is not None else None}
 
 
+async def batch_sleep(jobs: list[Job]) -> list[Any]:
+    """``gpuq bench batching``'s batch handler: a forward pass's cost, the first job's ``fixed_ms``
+    plus its ``per_item_ms`` per item (none given: returns at once); an item whose payload says
+    ``poison`` gets an exception, for itself alone."""
+    first = jobs[0].payload
+    fixed, per_item = first.get("fixed_ms"), first.get("per_item_ms", 0.0)
+    if fixed is not None:
+        await anyio.sleep((fixed + per_item * len(jobs)) / 1000)
+    return [ValueError("poison") if j.payload.get("poison") else None for j in jobs]
+
+
 async def work(job: Job) -> dict[str, Any]:
     """Soak: a couple of milliseconds of 'GPU time'."""
     await anyio.sleep(0.002)
@@ -59,6 +70,15 @@ async def record(job: Job) -> dict[str, Any]:
     if work_s > 0:
         await anyio.sleep(random.uniform(0, 2 * work_s))
     return {"token": job.lease_token}
+
+
+async def record_batch(jobs: list[Job]) -> list[dict[str, Any]]:
+    """Chaos with batching: ``record`` for a batch, its executions in one write, one work time."""
+    os.write(_exec_log(), "".join(f"{j.id} {j.lease_token} {os.getpid()}\n" for j in jobs).encode())
+    work_s = float(os.environ.get(WORK_MS_ENV, "0") or 0) / 1000.0
+    if work_s > 0:
+        await anyio.sleep(random.uniform(0, 2 * work_s))
+    return [{"token": j.lease_token} for j in jobs]
 
 
 async def timed(job: Job) -> dict[str, float]:

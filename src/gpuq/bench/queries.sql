@@ -174,11 +174,12 @@ SELECT
        (SELECT 1 FROM gpuq_chaos.completions c WHERE c.job_id = j.id)) AS wrong_result;
 
 -- name: totals
--- Jobs inserted, done, dead, and the most attempts any job took.
+-- Jobs inserted, done, dead, the most attempts any job took, and the done jobs whose last attempt ran in a batch of more than one.
 SELECT count(*) AS inserted,
        count(*) FILTER (WHERE status = 'done') AS done,
        count(*) FILTER (WHERE status = 'dead') AS dead,
-       coalesce(max(attempts), 0) AS max_attempts_seen
+       coalesce(max(attempts), 0) AS max_attempts_seen,
+       count(*) FILTER (WHERE status = 'done' AND batch_size > 1) AS done_in_batches
 FROM gpuq.jobs;
 
 -- name: chaos_winners

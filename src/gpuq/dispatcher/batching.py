@@ -12,9 +12,10 @@ A pass reads the kind's next jobs (``batch_head``: as many as the batch-taking
 agents' free credit times the batch size, locking nothing), forms batches
 (``gpuq.batches``), and leases the jobs of those that may go, each batch for
 one credit of one agent (``lease_batched``). Jobs of a batch still forming stay
-pending: a crash loses nothing, a cancel is an ordinary cancel. Only plain jobs
-(no placement) of a kind without a limit are batched so far; agents that do
-not take batches get the kind's jobs one by one, as before.
+pending: a crash loses nothing, a cancel is an ordinary cancel. Agents that do
+not take batches get the kind's jobs one by one, as before. Placed jobs of a
+batched kind form batches per shape in ``Placing`` (``lease_formed``, one slot
+a batch); a limited kind's or key's jobs go one by one.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from gpuq.config import ServerConfig
 from gpuq.dispatcher.sessions import AgentSession, Sessions
 from gpuq.dispatcher.trigger import Pass
 from gpuq.dispatcher.tuning import Tuning
-from gpuq.jobs import LeasedJob
+from gpuq.jobs import LeasedJob, Shape
 
 log = logs.get("dispatcher")
 
@@ -100,31 +101,13 @@ class Batching:
                 if due_in is None:
                     self._short.add(kind)  # nothing waits: until something is announced or frees
                 return
-            jobs = await self._lease_batches(kind, sent, credits)
+            jobs = await lease_formed(self.pool, self.config, kind, sent, credits)
             fruitless = 0 if jobs else fruitless + 1  # none: another server took them first
             yield jobs
             if len(go) == len(sent) and len(head) < limit and len(jobs) == sum(len(b.jobs) for b in sent):
                 if due_in is None:
                     self._short.add(kind)  # all it had went
                 return
-
-    async def _lease_batches(self, kind: str, sent: list[batches.Batch], credits: list[str]) -> list[LeasedJob]:
-        """Lease each batch for one credit; the jobs leased, each with its batch's number."""
-        with metrics.LEASE_SECONDS.time():
-            leased = await queue.lease_batched(self.pool, kind, [(sid, [j.id for j in batch.jobs])
-                                                                 for batch, sid in zip(sent, credits, strict=False)],
-                                               self.config.lease_seconds)
-        out = []
-        for batch in sent:
-            # A batch is named by its first job's id (gpuq.jobs.batch_id); a skipped job leaves it smaller.
-            members = [j for j in batch.jobs if j.id in leased]
-            if members:
-                metrics.BATCH_SIZE.labels(kind=kind).observe(len(members))
-                for j in members:
-                    metrics.BATCH_FORMING_SECONDS.labels(kind=kind).observe(j.waited_ms / 1000)
-            out += [dataclasses.replace(leased[j.id], batch=batch.jobs[0].id) for j in members]
-        log.info("lease.batches", kind=kind, batches=len(sent), jobs=len(out))
-        return out
 
     def wait_left(self, sessions: Sessions) -> float | None:
         """Seconds until a partial batch may go, or a throttled read of the policies is due, while an
@@ -151,6 +134,27 @@ class Batching:
                              for p in await admin.batching(self.pool)}
             self._due = {k: at for k, at in self._due.items() if k in self.policies}
             self._read_at, self._stale = now, False
+
+
+async def lease_formed(pool: Any, config: ServerConfig, kind: str, sent: list[batches.Batch], slots: list[str],
+                       shape: Shape | None = None) -> list[LeasedJob]:
+    """Lease each formed batch for the agent of its slot (plain jobs, or ``shape``'s); the jobs
+    leased, each with its batch's number."""
+    with metrics.LEASE_SECONDS.time():
+        leased = await queue.lease_batched(pool, kind, [(sid, [j.id for j in batch.jobs])
+                                                        for batch, sid in zip(sent, slots, strict=False)],
+                                           config.lease_seconds, shape)
+    out = []
+    for batch in sent:
+        # A batch is named by its first job's id (gpuq.jobs.batch_id); a skipped job leaves it smaller.
+        members = [j for j in batch.jobs if j.id in leased]
+        if members:
+            metrics.BATCH_SIZE.labels(kind=kind).observe(len(members))
+            for j in members:
+                metrics.BATCH_FORMING_SECONDS.labels(kind=kind).observe(j.waited_ms / 1000)
+        out += [dataclasses.replace(leased[j.id], batch=batch.jobs[0].id) for j in members]
+    log.info("lease.batches", kind=kind, batches=len(sent), jobs=len(out), gpus=shape.gpus if shape else 0)
+    return out
 
 
 def _by_credit(agents: list[AgentSession]) -> list[AgentSession]:

@@ -191,7 +191,8 @@ class Dispatcher:
         self._passes += 1
         for leases in plain if self._passes % 2 else reversed(plain):
             await self._deliver_all(leases)
-        await self._deliver_all(self.placing.lease(self.sessions, why.every, why.kinds, stopping))
+        await self._deliver_all(self.placing.lease(self.sessions, why.every, why.kinds, stopping,
+                                                   self.batching.policies))
 
     async def _deliver_all(self, batches: AsyncIterator[list[LeasedJob]]) -> None:
         async for jobs in batches:

@@ -9,7 +9,11 @@ It owns what placement needs between passes:
   this server or another (``Roster``: the whole fleet's agents), a cold
   agent's room goes to the shape only after ``warm_wait_seconds``;
 - reservations: an agent kept for a multi-GPU shape whose next job waited past
-  ``reserve_after_seconds``.
+  ``reserve_after_seconds``;
+- batches: a batched kind's shape gives each slot of an agent that takes
+  batches one batch of its jobs (``gpuq.batches``, like ``Batching`` for plain
+  jobs); when the shape's next partial batch may go (``wait_left``). A limited
+  kind's or key's jobs go one by one.
 
 ``lease()`` yields each leased batch; the caller delivers it before the next
 one is computed, since delivery changes what each agent has free. The rules
@@ -20,11 +24,12 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from gpuq import admin, logs, metrics, placement, queue
+from gpuq import admin, batches, logs, metrics, placement, queue
 from gpuq.config import ServerConfig
+from gpuq.dispatcher.batching import HEAD_READ, lease_formed
 from gpuq.dispatcher.roster import Roster
 from gpuq.dispatcher.sessions import AgentSession, Sessions
 from gpuq.dispatcher.tuning import Tuning
@@ -46,21 +51,26 @@ class Placing:
         self.reserved: dict[str, ShapeKey] = {}  # agent id -> the multi-GPU shape it is kept for
         self._reserve_at = 0.0
         self._warm_wait_ends: dict[ShapeKey, float] = {}  # shape -> when a cold agent may take its next job
+        self._batch_due: dict[ShapeKey, float] = {}  # batched shape -> when its next partial batch may go
 
     # -- a pass ------------------------------------------------------------
 
-    async def lease(self, agents: Sessions, every: bool, kinds: set[str],
-                    stopping: Callable[[], bool]) -> AsyncIterator[list[LeasedJob]]:
+    async def lease(self, agents: Sessions, every: bool, kinds: set[str], stopping: Callable[[], bool],
+                    batched: Mapping[str, batches.Policy] | None = None) -> AsyncIterator[list[LeasedJob]]:
         """Lease placed jobs for ``agents``, shape by shape; ``every``: look at every shape, else
-        those of the announced ``kinds`` and those that did not come up short."""
+        those of the announced ``kinds``, those whose partial batch may go, and those that did not
+        come up short. ``batched``: the batching policies (agents that take batches get the jobs
+        of those kinds in batches)."""
         if not agents:
             self._shapes_stale = self._shapes_stale or every or bool(kinds)
             return  # nobody to place on: read the shapes when an agent comes
         await self._refresh(every or bool(kinds))
+        now = time.monotonic()
+        due = {key for key, at in self._batch_due.items() if at <= now}
         if every:
             self._short.clear()
-        elif kinds:
-            self._short = {key for key in self._short if key[0] not in kinds}
+        elif kinds or due:
+            self._short = {key for key in self._short if key[0] not in kinds and key not in due}
         await self._reserve(agents)
         if self.config.warm_wait_seconds and any(shape.model for shape in self.shapes.values()):
             await self.roster.others()  # who holds which model warm elsewhere (throttled)
@@ -71,14 +81,19 @@ class Placing:
             for key, shape in work:
                 if ready and not (shape.gpus and (warm_only or not self._waits_for_warm(shape, agents))):
                     continue
-                async for jobs in self._lease_shape(key, shape, agents, warm_only, ready, stopping):
+                async for jobs in self._lease_shape(key, shape, agents, warm_only, ready, stopping,
+                                                    (batched or {}).get(shape.kind)):
                     yield jobs
         self._warm_wait_ends = {key: at for key, at in self._warm_wait_ends.items() if key not in self._short}
+        # A partial batch that was due and not looked at again (no agent had room for it): a freed
+        # credit looks again; no wake-up for it meanwhile, or the loop would spin.
+        self._batch_due = {key: at for key, at in self._batch_due.items() if key not in due or at > now}
 
-    async def _lease_shape(self, key: ShapeKey, shape: Shape, agents: Sessions,
-                           warm_only: bool, ready: bool, stopping: Callable[[], bool]) -> AsyncIterator[list[LeasedJob]]:
+    async def _lease_shape(self, key: ShapeKey, shape: Shape, agents: Sessions, warm_only: bool, ready: bool,
+                           stopping: Callable[[], bool], policy: batches.Policy | None) -> AsyncIterator[list[LeasedJob]]:
         """Lease a shape's jobs for the agents with room (``ready``: room to hold them ready on busy
-        devices); ``warm_only``: those holding its model warm, else the others, after the warm wait."""
+        devices); ``warm_only``: those holding its model warm, else the others, after the warm wait.
+        ``policy``: the kind's batching policy (a slot of an agent that takes batches takes one)."""
         while key not in self._short and not stopping():
             slots = placement.slots(shape, agents, self.config.max_batch, self.reserved, warm_only, ready)
             if not slots:
@@ -87,19 +102,55 @@ class Placing:
                 return
             if not warm_only and not ready and not (slots := self._after_warm_wait(key, shape, agents, slots)):
                 return
-            with metrics.LEASE_SECONDS.time():
-                if self._limited(shape):
-                    jobs = await queue.lease_limited(self.pool, shape, slots, self.config.lease_seconds,
-                                                     scan_keys=shape.keyed and self._key_limits)
-                else:
-                    jobs = await queue.lease_placed(self.pool, shape, slots, self.config.lease_seconds)
+            batch_slots, slots = self._batch_slots(shape, policy, agents, slots)
+            jobs: list[LeasedJob] = []
+            wanted = len(slots)
+            if batch_slots:
+                assert policy is not None
+                jobs, batch_slots = await self._lease_batches(key, shape, policy, agents, batch_slots)
+                wanted += len(batch_slots)
+            filled = len({j.batch for j in jobs})
+            if slots:
+                with metrics.LEASE_SECONDS.time():
+                    if self._limited(shape):
+                        single = await queue.lease_limited(self.pool, shape, slots, self.config.lease_seconds,
+                                                           scan_keys=shape.keyed and self._key_limits)
+                    else:
+                        single = await queue.lease_placed(self.pool, shape, slots, self.config.lease_seconds)
+                if single:
+                    log.info("lease.placed", batch=len(single), requested=len(slots), kind=shape.kind,
+                             gpus=shape.gpus, model=shape.model, agents=len({j.leased_by for j in single}))
+                jobs, filled = jobs + single, filled + len(single)
             if jobs:
-                log.info("lease.placed", batch=len(jobs), requested=len(slots), kind=shape.kind,
-                         gpus=shape.gpus, model=shape.model, agents=len({j.leased_by for j in jobs}))
                 self._unreserve(key)
-            if len(jobs) < len(slots):
+            if filled < wanted:
                 self._short.add(key)
             yield jobs
+
+    def _batch_slots(self, shape: Shape, policy: batches.Policy | None, agents: Sessions,
+                     slots: list[str]) -> tuple[list[str], list[str]]:
+        """``slots`` split into those that take a batch each (agents that take batches, of a batched
+        kind without a limit on it or its jobs' keys) and those that take one job."""
+        if policy is None or self._limited(shape):
+            return [], slots
+        takers = {s.id for s in agents if s.batch_items}
+        return [sid for sid in slots if sid in takers], [sid for sid in slots if sid not in takers]
+
+    async def _lease_batches(self, key: ShapeKey, shape: Shape, policy: batches.Policy, agents: Sessions,
+                             slots: list[str]) -> tuple[list[LeasedJob], list[str]]:
+        """Form the shape's next batches and lease those that may go, one per slot (at most
+        ``max_batch`` jobs a statement); the jobs leased, and the slots it tried to fill."""
+        size = min(policy.max_items, *(s.batch_items for s in agents if s.id in slots))
+        slots = slots[:max(1, self.config.max_batch // size)]
+        head = await queue.batch_head(self.pool, shape.kind, len(slots) * size * HEAD_READ, shape)
+        go, due_in = batches.ready(batches.form(head, size, policy.max_cost), policy.max_wait_ms)
+        self._batch_due.pop(key, None)
+        if due_in is not None:
+            self._batch_due[key] = time.monotonic() + due_in / 1000
+        sent = go[:len(slots)]
+        if not sent:
+            return [], slots
+        return await lease_formed(self.pool, self.config, shape.kind, sent, slots, shape), slots
 
     def _after_warm_wait(self, key: ShapeKey, shape: Shape, agents: Sessions,
                          slots: list[str]) -> list[str]:
@@ -183,12 +234,12 @@ class Placing:
 
     def wait_left(self, any_room: bool) -> float | None:
         """Seconds until placement wants a pass of its own (None: never): a throttled shapes read,
-        a warm wait that ends, or the next look at whether reserved shapes still have a job waiting.
+        a warm wait that ends, a partial batch that may go, or the next look at whether reserved shapes still have a job waiting.
         A wait, not a reason to skip arming the wake-up mark: producers must keep notifying meanwhile."""
         if not any_room:
             return None
         now = time.monotonic()
-        waits = [at - now for at in self._warm_wait_ends.values()]
+        waits = [at - now for at in (*self._warm_wait_ends.values(), *self._batch_due.values())]
         if self.reserved:
             waits.append(self._reserve_at - now)
         if self._shapes_stale:

@@ -253,8 +253,21 @@ WHERE kind = $1 AND status = 'pending' AND shape IS NULL
 ORDER BY (-priority), id
 LIMIT $2;
 
+-- name: batch_head_placed
+-- The next $3 pending jobs of kind $1 and placement shape $2 (not paused, no limit; none under a limited key) in lease order (jobs_placed_idx), with what batches form by, as batch_head. Reads, locks nothing.
+SELECT id, cost, batch_key, greatest(0, extract(epoch FROM now() - run_at) * 1000)::int8 AS waited_ms,
+       coalesce(timeout_seconds, (SELECT t.timeout_seconds FROM gpuq.kind_timeouts t WHERE t.kind = $1)) AS timeout_seconds
+FROM gpuq.jobs
+WHERE status = 'pending' AND shape IS NOT NULL AND kind = $1 AND shape = $2
+  AND NOT EXISTS (SELECT 1 FROM gpuq.paused_kinds p WHERE p.kind = $1)
+  AND NOT EXISTS (SELECT 1 FROM gpuq.limits l WHERE l.scope = 'kind' AND l.name = $1)
+  AND (concurrency_key IS NULL
+       OR NOT EXISTS (SELECT 1 FROM gpuq.limits l WHERE l.scope = 'key' AND l.name = concurrency_key))
+ORDER BY priority DESC, id
+LIMIT $3;
+
 -- name: lease_batched
--- Lease the pending plain jobs $2 (ids, from batch_head) of kind $1 (not paused, no limit), the i-th for agent $3[i] in batch $5[i] of $6[i] jobs; one leased, cancelled or paused meanwhile is skipped (pkey lookups: O(batch)).
+-- Lease the pending jobs $2 (ids, from batch_head or batch_head_placed) of kind $1 and shape $7 (NULL: plain jobs; not paused, no limit, none under a limited key), the i-th for agent $3[i] in batch $5[i] of $6[i] jobs; one leased, cancelled or paused meanwhile is skipped (pkey lookups: O(batch)).
 WITH leasable AS (
     SELECT (SELECT t.timeout_seconds FROM gpuq.kind_timeouts t WHERE t.kind = $1) AS default_timeout
     WHERE NOT EXISTS (SELECT 1 FROM gpuq.paused_kinds p WHERE p.kind = $1)
@@ -263,7 +276,9 @@ WITH leasable AS (
     SELECT j.ctid, s.agent, s.batch_id, s.batch_size
     FROM unnest($2::int8[], $3::text[], $5::int8[], $6::int[]) AS s(id, agent, batch_id, batch_size)
     JOIN gpuq.jobs j ON j.id = s.id
-    WHERE j.status = 'pending' AND j.shape IS NULL AND j.kind = $1 AND EXISTS (SELECT 1 FROM leasable)
+    WHERE j.status = 'pending' AND j.shape IS NOT DISTINCT FROM $7::text AND j.kind = $1 AND EXISTS (SELECT 1 FROM leasable)
+      AND (j.concurrency_key IS NULL
+           OR NOT EXISTS (SELECT 1 FROM gpuq.limits l WHERE l.scope = 'key' AND l.name = j.concurrency_key))
     FOR UPDATE OF j SKIP LOCKED
 )
 UPDATE gpuq.jobs j
