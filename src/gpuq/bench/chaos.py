@@ -143,7 +143,7 @@ class ChaosRun:
                               heartbeat_seconds=self.cfg.heartbeat_seconds, poll_seconds=0.5, drain_seconds=2)
             env = dict(UNLIMITED_ENV, GPUQ_SWEEP_SECONDS="1")
         else:
-            batches = {"batch_handler": "gpuq.bench.handlers:record_batch", "max_batch": self.cfg.batch}
+            batches: dict[str, Any] = {"batch_handler": "gpuq.bench.handlers:record_batch", "max_batch": self.cfg.batch}
             argv = agent_argv(f"ws://127.0.0.1:{m.serve.port}/agent", f"chaos-{m.name}",
                               "gpuq.bench.handlers:record", self.cfg.capacity, kinds=KIND,
                               **(batches if self.cfg.batch and self.agents.index(m) % 2 else {}))
