@@ -6,11 +6,12 @@ import anyio
 import asyncpg
 import pytest
 
-from gpuq import admin, metrics
+from gpuq import admin, metrics, plans, queue
 from gpuq.harness import TOKEN, http_get, running_server
 from gpuq.jobs import NewJob
 from gpuq.producer import enqueue, enqueue_many
-from tests.helpers import wait_for
+from gpuq.sql import queries
+from tests.helpers import add_pending, seed_history, wait_for
 
 
 async def test_a_policy_is_set_changed_listed_and_removed(conn):
@@ -233,3 +234,35 @@ async def test_a_limited_key_s_batched_jobs_go_one_by_one(dsn, live_conn):
         await srv.agent(["embed"], 4, None, "batcher", batch_handler=batch_recorder(calls))
         await wait_for(lambda: _done(live_conn, ids))
     assert calls == [[i] for i in ids]  # a limit counts jobs: each alone, within it
+
+
+async def _batch_buffers(conn) -> dict[str, int]:
+    """Buffers read by a 128-job head of plain and of 1-GPU jobs, and by leasing 64 of them in one batch."""
+    await conn.execute("ANALYZE gpuq.jobs")
+    [gpu] = [s for s in await queue.read_shapes(conn) if s.gpus == 1]
+    ids = [h.id for h in await queue.batch_head(conn, "train", 64)]
+    statements = {"head": (queries["batch_head"], "train", 128),
+                  "head_placed": (queries["batch_head_placed"], "train", gpu.digest, 128),
+                  "lease": (queries["lease_batched"], "train", ids, ["x"] * 64, 30.0, [ids[0]] * 64, [64] * 64, None)}
+    out = {}
+    for name, (statement, *args) in statements.items():
+        await plans.explain(conn, statement, *args)  # warm the caches and the plan
+        out[name] = plans.plan_buffers(await plans.explain(conn, statement, *args))
+    return out
+
+
+async def test_forming_and_leasing_batches_ignore_done_history(conn):
+    """The buffers guard for batches: 100k done rows ahead of the pending ones cost a head read and a
+    batch lease nothing (they read the partial indexes and primary key lookups, never history)."""
+    async def pending() -> None:
+        await add_pending(conn, 300)
+        await conn.execute("INSERT INTO gpuq.jobs (kind, gpus) SELECT 'train', 1 FROM generate_series(1, 300)")
+
+    await pending()
+    without = await _batch_buffers(conn)
+    await conn.execute("TRUNCATE gpuq.jobs RESTART IDENTITY")
+    await seed_history(conn, 100_000)
+    await pending()
+    with_history = await _batch_buffers(conn)
+    for name in without:
+        assert with_history[name] <= without[name] * 1.5 + 8, (name, without, with_history)
