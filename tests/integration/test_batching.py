@@ -266,3 +266,19 @@ async def test_forming_and_leasing_batches_ignore_done_history(conn):
     with_history = await _batch_buffers(conn)
     for name in without:
         assert with_history[name] <= without[name] * 1.5 + 8, (name, without, with_history)
+
+
+async def test_a_job_waiting_in_a_partial_batch_goes_one_by_one_once_the_policy_is_removed(dsn, live_conn):
+    """The policy read that ends batching comes in a pass of its own (reads are throttled): the
+    kind's group for an agent that takes batches changes then, and must be looked at then, not at
+    the next poll (it once was: up to a poll interval late)."""
+    from gpuq.dispatcher.tuning import Tuning
+
+    await admin.set_batching(live_conn, "embed", 8, max_wait_ms=600_000)  # a partial batch waits
+    calls: list = []
+    async with running_server(dsn, poll_seconds=60, tuning=Tuning(shapes_seconds=2)) as srv:
+        await srv.agent(["embed"], 1, None, "batcher", batch_handler=batch_recorder(calls))
+        job = await enqueue(live_conn, "embed", {"i": 1})
+        await admin.set_batching(live_conn, "embed", None)  # within the throttle: read a little later
+        await wait_for(lambda: _done(live_conn, [job]), timeout=15)
+    assert calls == [[job]]

@@ -4,8 +4,11 @@
 (``harness.Fleet``), each agent with one batch handler
 (``gpuq.bench.handlers:batch_sleep``) that sleeps ``--fixed-ms`` + ``--per-item-ms``
 per item (a GPU forward pass: a fixed cost and a small one per item); the
-unbatched runs give it single jobs. Each job carries a random ``cost``
-(1-512) and the policy a ``--max-cost`` budget.
+unbatched runs give it single jobs. Each job carries a random ``cost``: 1-64
+(a short text's tokens), and for 1 % of them 4,096-12,288 (a long one: some
+over the ``--max-cost`` budget alone, which run alone). The budget binds on
+the batches with a long item; the others fill to ``--max-items``
+(``batched_mean_items``: the batch size the batched run got).
 
 - Closed loop: ``--jobs`` queued jobs at ``--max-items`` a batch, then
   ``--unbatched-jobs`` with no policy (one call per job): ``batched_jobs_per_s``,
@@ -31,12 +34,14 @@ import argparse
 import math
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 
 from gpuq import admin, producer
 from gpuq.bench import common
+from gpuq.bench.measure import CpuMeter, postmaster_pid
 from gpuq.harness import Fleet
 from gpuq.jobs import NewJob
 
@@ -52,7 +57,7 @@ def register(sub: Any) -> None:
         common.positive(p, "--jobs", 100_000, "queued jobs of the batched closed loop (and of its ceiling run)")
         common.positive(p, "--unbatched-jobs", 2_000, "queued jobs of the unbatched closed loop")
         common.positive(p, "--max-items", 64, "jobs a batch at most")
-        common.positive(p, "--max-cost", 8192, "a batch's cost budget (job costs are 1-512)")
+        common.positive(p, "--max-cost", 8192, "a batch's cost budget (job costs are 1-64, 1 %% 4096-12288)")
         common.positive(p, "--max-wait-ms", 10, "the open loop's wait for a partial batch")
         common.positive(p, "--fixed-ms", 20.0, "the handler's cost per call")
         common.positive(p, "--per-item-ms", 0.2, "the handler's cost per item")
@@ -82,7 +87,9 @@ async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
         await anyio.to_thread.run_sync(fleet.start_serve)
         await anyio.to_thread.run_sync(lambda: fleet.start_agents(a.agents, a.capacity, None, kinds=KIND,
                                                                   batch_handler=HANDLER, max_batch=a.max_items))
-        out.update(await closed_loop(conn, fleet, a))
+        pg_pid = await postmaster_pid(conn)
+        meter = lambda: CpuMeter({**fleet.pids(), "postgres": [pg_pid] if pg_pid else []})  # noqa: E731
+        out.update(await closed_loop(conn, fleet, a, meter))
         out["open_loop"] = {f"{rate:g}": await open_loop(conn, fleet, a, rate) for rate in a.rates}
     slots = a.agents * a.capacity
     out["ideal_jobs_per_s"] = round(slots * a.max_items / ((a.fixed_ms + a.per_item_ms * a.max_items) / 1000), 1)
@@ -93,26 +100,34 @@ async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-async def closed_loop(conn: Any, fleet: Fleet, a: argparse.Namespace) -> dict[str, Any]:
-    """The batched run (poison, cancels, costs), its no-op ceiling, then the unbatched run."""
+async def closed_loop(conn: Any, fleet: Fleet, a: argparse.Namespace, meter: Callable[[], CpuMeter]) -> dict[str, Any]:
+    """The batched run (poison, cancels, costs), its no-op ceiling, then the unbatched run; CPU
+    microseconds per job of each component in the batched and ceiling runs (``cpu_us_per_job``)."""
     await admin.set_batching(conn, KIND, a.max_items, max_cost=a.max_cost)
     common.progress(f"closed loop, batched: {a.jobs:,} jobs at {a.max_items} a batch")
     rng = random.Random(1)
     cost = {"fixed_ms": a.fixed_ms, "per_item_ms": a.per_item_ms}
-    specs = [{"cost": rng.randint(1, 512), "poison": i % 100 == 50, **cost} for i in range(a.jobs)]
-    ids, seconds, cancelled = await _run_queued(conn, fleet, specs, cancel_every=100)
+    specs = [{"cost": rng.randint(4096, 12288) if i % 100 == 25 else rng.randint(1, 64), "poison": i % 100 == 50,
+              **cost} for i in range(a.jobs)]
+    cpu = meter()
+    ids, seconds, cancelled = await _run_queued(conn, fleet, specs, cancel_every=100, cpu=cpu)
     good = [i for i, s in zip(ids, specs, strict=True) if not s["poison"] and i not in cancelled]
     extra = await conn.fetchval("SELECT coalesce(sum(attempts - 1), 0) FROM gpuq.jobs WHERE id = ANY($1)", good)
     done = await conn.fetchval("SELECT count(*) FROM gpuq.jobs WHERE id = ANY($1) AND status = 'done'", good)
     ran = await conn.fetchval("SELECT count(*) FROM gpuq.jobs WHERE id = ANY($1) AND attempts > 0", list(cancelled))
     over = await conn.fetchval("SELECT count(*) FROM (SELECT batch_id FROM gpuq.jobs WHERE id = ANY($1) AND batch_size > 1 "
                                "GROUP BY batch_id HAVING sum(cost) > $2) b", ids, a.max_cost)
+    items = await conn.fetchval("SELECT avg(batch_size) FROM gpuq.jobs WHERE id = ANY($1) AND batch_size IS NOT NULL", ids)
     out = {"batched_jobs_per_s": round((len(ids) - len(cancelled)) / seconds, 1),
+           "batched_mean_items": round(float(items or 0), 1),
            "poison_extra_attempts": int(extra), "cancelled_ran": ran, "cost_violations": over,
            "lost": len(good) - done}  # a good job not done: lost
+    out["cpu_us_per_job"] = {"batched": _per_job(cpu, len(ids) - len(cancelled))}
     common.progress(f"closed loop, batched, no-op handler (the dispatcher's ceiling): {a.jobs:,} jobs")
-    ids, seconds, _ = await _run_queued(conn, fleet, [{"cost": 1}] * a.jobs)
+    cpu = meter()
+    ids, seconds, _ = await _run_queued(conn, fleet, [{"cost": 1}] * a.jobs, cpu=cpu)
     out["ceiling_jobs_per_s"] = round(len(ids) / seconds, 1)
+    out["cpu_us_per_job"]["ceiling"] = _per_job(cpu, len(ids))
     await admin.set_batching(conn, KIND, None)
     common.progress(f"closed loop, unbatched: {a.unbatched_jobs:,} jobs, one call each")
     ids, seconds, _ = await _run_queued(conn, fleet, [{"cost": 1, **cost}] * a.unbatched_jobs)
@@ -120,8 +135,12 @@ async def closed_loop(conn: Any, fleet: Fleet, a: argparse.Namespace) -> dict[st
     return out
 
 
-async def _run_queued(conn: Any, fleet: Fleet, specs: list[dict[str, Any]],
-                      cancel_every: int = 0) -> tuple[list[int], float, set[int]]:
+def _per_job(cpu: CpuMeter, jobs: int) -> dict[str, float | None]:
+    return {k: None if v is None else round(v / jobs * 1e6, 1) for k, v in cpu.used.items()}
+
+
+async def _run_queued(conn: Any, fleet: Fleet, specs: list[dict[str, Any]], cancel_every: int = 0,
+                      cpu: CpuMeter | None = None) -> tuple[list[int], float, set[int]]:
     """Queue the jobs while the kind is paused (cancelling every ``cancel_every``-th), resume it, and
     wait until none is live: ids, seconds from the resume to the last end, the cancelled ids.
     A cancelled job never leased has no attempt: ``cancelled_ran`` counts those with one."""
@@ -132,8 +151,12 @@ async def _run_queued(conn: Any, fleet: Fleet, specs: list[dict[str, Any]],
                                                     for s in specs[lo:lo + CHUNK]])
     cancelled = set((await admin.cancel(conn, *ids[cancel_every // 2::cancel_every])) if cancel_every else ())
     began = time.monotonic()
+    if cpu is not None:
+        cpu.start()
     await admin.resume(conn, KIND)
     await _drained(conn, fleet, ids, timeout=max(120.0, len(ids) / 100))
+    if cpu is not None:
+        cpu.stop()
     return ids, time.monotonic() - began, cancelled
 
 
@@ -180,7 +203,9 @@ def report(r: dict[str, Any]) -> None:
          ["ideal (every slot a full batch)", r["ideal_jobs_per_s"]],
          ["dispatcher ceiling (no-op batches)", r["ceiling_jobs_per_s"]]],
         title=f"batching: {r['agents']} agents x {r['capacity']} slots, {r['max_items']} a batch")
-    print(f"speedup {r['speedup']}x   ideal_fraction {r['ideal_fraction']}   ceiling_fraction {r['ceiling_fraction']}")
+    print(f"mean batch {r['batched_mean_items']} items   speedup {r['speedup']}x   ideal_fraction {r['ideal_fraction']}   ceiling_fraction {r['ceiling_fraction']}")
+    for run, used in r["cpu_us_per_job"].items():
+        print(f"CPU per job, {run}: " + ", ".join(f"{k} {v} us" for k, v in used.items()))
     common.print_table(["rate /s", "batched p50 / p99 ms", "unbatched p50 / p99 ms"],
                        [[rate, f"{m['batched']['p50_ms']} / {m['batched']['p99_ms']}",
                          f"{m['unbatched']['p50_ms']} / {m['unbatched']['p99_ms']}"] for rate, m in r["open_loop"].items()],

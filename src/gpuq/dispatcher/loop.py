@@ -185,7 +185,12 @@ class Dispatcher:
         first, so neither always gets an agent's freed credit), then every shape; each lease
         delivered before the next."""
         stopping = lambda: self.stopping  # noqa: E731
+        batched = self.batching.kinds
         await self.batching.refresh(self.sessions, why)  # the batched kinds, before either leases
+        if self.batching.kinds != batched:
+            # Groups changed (sessions.group_kinds): a job announced to the old ones, and left
+            # waiting there, has no other reason to be looked at before the next poll.
+            why.every = True
         plain = [self.batching.lease(self.sessions, why, stopping),
                  self.groups.lease(self.sessions, why, self.listening, stopping, self.batching.kinds)]
         self._passes += 1
