@@ -25,6 +25,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from gpuq import admin, db, logs, metrics
+from gpuq.backlog import read_backlog
 from gpuq.config import ConfigError, ServerConfig
 from gpuq.dispatcher import AgentSession, Dispatcher, Tuning
 from gpuq.dispatcher.tuning import TUNING_DEFAULT
@@ -93,6 +94,7 @@ class AgentServer:
                 counts = await admin.status_counts(self.dispatcher.pool)
                 for status in LIVE_STATES:
                     metrics.QUEUE_DEPTH.labels(status=status).set(counts.total(status))
+                metrics.BACKLOG.show(await read_backlog(self.dispatcher.pool))
             except db.RETRYABLE_ERRORS:
                 pass  # the rest of the metrics are still worth serving
             metrics.show_devices(self.fleet.devices())
