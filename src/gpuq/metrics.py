@@ -37,6 +37,9 @@ LEASE_BATCH = Histogram(
 AGENTS = Gauge("gpuq_agents_connected", "Agents connected to this dispatcher", registry=REGISTRY)
 INFLIGHT = Gauge("gpuq_jobs_inflight", "Jobs pushed to agents of this dispatcher, not yet reported",
                  registry=REGISTRY)
+INFLIGHT_BY_KIND = Gauge("gpuq_jobs_inflight_by_kind", "Jobs pushed to agents of this dispatcher, not yet "
+                         "reported, per kind (at scrape time; every kind a connected agent takes)", ["kind"],
+                         registry=REGISTRY)
 QUEUE_DEPTH = Gauge("gpuq_queue_depth", "Live jobs by state (from the partial indexes, at scrape time)",
                     ["status"], registry=REGISTRY)
 SWEEP_RECLAIMED = Counter("gpuq_jobs_reclaimed", "Expired leases returned to pending by the sweeper",
@@ -71,6 +74,13 @@ def show_devices(agents: Iterable[tuple[str, Iterable[Any], dict[int, Any]]]) ->
             if (u := usage.get(d.index)) is not None:
                 DEVICE_MEMORY_USED.labels(agent=agent, device=index).set(u.memory_used_mb << 20)
                 DEVICE_UTILIZATION.labels(agent=agent, device=index).set(u.utilization / 100)
+
+
+def show_inflight(by_kind: dict[str, int]) -> None:
+    """Set ``gpuq_jobs_inflight_by_kind``, at scrape time, from the agents connected now."""
+    INFLIGHT_BY_KIND.clear()
+    for kind, n in by_kind.items():
+        INFLIGHT_BY_KIND.labels(kind=kind).set(n)
 
 
 class SlotGaps:

@@ -90,17 +90,24 @@ class AgentServer:
                                  json.dumps({"error": f"database unavailable: {exc}"}).encode(), "application/json")
             return _response(HTTPStatus.OK, json.dumps(body).encode(), "application/json")
         if path == "/metrics":
-            try:
-                counts = await admin.status_counts(self.dispatcher.pool)
-                for status in LIVE_STATES:
-                    metrics.QUEUE_DEPTH.labels(status=status).set(counts.total(status))
-                metrics.BACKLOG.show(await read_backlog(self.dispatcher.pool))
-            except db.RETRYABLE_ERRORS:
-                pass  # the rest of the metrics are still worth serving
-            metrics.show_devices(self.fleet.devices())
-            return _response(HTTPStatus.OK, generate_latest(metrics.REGISTRY), CONTENT_TYPE_LATEST)
+            return _response(HTTPStatus.OK, await self._metrics(), CONTENT_TYPE_LATEST)
         return _response(HTTPStatus.NOT_FOUND, b"not found: try /ui, /agent, /healthz, /status, /metrics, /jobs/ID\n",
                          "text/plain")
+
+    async def _metrics(self) -> bytes:
+        """The Prometheus text, after setting the gauges read at scrape time: queue depth and the
+        backlog per kind and shape from the database (kept as they were when it does not answer),
+        devices and jobs in flight from the agents connected now."""
+        try:
+            counts = await admin.status_counts(self.dispatcher.pool)
+            for status in LIVE_STATES:
+                metrics.QUEUE_DEPTH.labels(status=status).set(counts.total(status))
+            metrics.BACKLOG.show(await read_backlog(self.dispatcher.pool))
+        except db.RETRYABLE_ERRORS:
+            pass  # the rest of the metrics are still worth serving
+        metrics.show_devices(self.fleet.devices())
+        metrics.show_inflight(self.fleet.inflight_by_kind())
+        return bytes(generate_latest(metrics.REGISTRY))
 
     async def _job(self, tail: str, authorization: str) -> Response:
         """GET /jobs/ID: the whole job as JSON. Payloads and results are the users' data: the same

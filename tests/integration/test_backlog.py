@@ -1,13 +1,14 @@
 """The backlog per kind and placement shape (gpuq_pending_jobs, gpuq_pending_oldest_seconds): right, and
 read by index probes whatever the backlog."""
 
+import anyio
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuq import backlog, plans
 from gpuq.backlog import read_backlog
 from gpuq.harness import http_get, running_server
 from gpuq.sql import queries
-from tests.helpers import add_pending, seed_history
+from tests.helpers import add_pending, seed_history, wait_count, wait_for
 
 
 async def _placed(conn, n: int, kind: str, gpus: int, model: str | None = None, labels: tuple[str, ...] = (),
@@ -89,3 +90,30 @@ async def test_metrics_show_the_backlog_and_zero_once_it_is_gone(dsn, pool):
         pending, oldest = _series(text, "gpuq_pending_jobs"), _series(text, "gpuq_pending_oldest_seconds")
         for key in (("scale-me", "0", ""), ("scale-gpu", "2", "llama")):
             assert pending[key] == 0 and oldest[key] == 0, key
+
+
+async def _inflight(srv, kind: str) -> float | None:
+    [family] = [f for f in text_string_to_metric_families((await http_get(srv.http + "/metrics"))[2])
+                if f.name == "gpuq_jobs_inflight_by_kind"]
+    return next((s.value for s in family.samples if s.labels["kind"] == kind), None)
+
+
+async def test_metrics_count_the_jobs_agents_hold_per_kind(dsn, pool):
+    """What an autoscaler adds to the backlog: the jobs running (or held) on the agents it would
+    scale down. Every kind a connected agent takes has a series, 0 when it holds none."""
+    release = anyio.Event()
+
+    async def hold(job):
+        await release.wait()
+
+    async with running_server(dsn) as srv:
+        async def holds(n: int) -> bool:
+            return await _inflight(srv, "held") == n
+
+        await srv.agent(["held"], 2, hold)
+        assert await holds(0)
+        await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'held' FROM generate_series(1, 2)")
+        await wait_for(lambda: holds(2))
+        release.set()
+        await wait_count(pool, "done", 2)
+        await wait_for(lambda: holds(0))
