@@ -42,6 +42,8 @@ INFLIGHT_BY_KIND = Gauge("gpuq_jobs_inflight_by_kind", "Jobs pushed to agents of
                          registry=REGISTRY)
 QUEUE_DEPTH = Gauge("gpuq_queue_depth", "Live jobs by state (from the partial indexes, at scrape time)",
                     ["status"], registry=REGISTRY)
+PAUSED = Gauge("gpuq_kind_paused", "1 for each paused kind: its pending jobs are not leased (autoscalers "
+               "leave them out: unless on (kind) gpuq_kind_paused)", ["kind"], registry=REGISTRY)
 SWEEP_RECLAIMED = Counter("gpuq_jobs_reclaimed", "Expired leases returned to pending by the sweeper",
                           registry=REGISTRY)
 SWEEP_DEAD = Counter("gpuq_sweeper_dead", "Expired leases with no attempts left, now dead", registry=REGISTRY)
@@ -74,6 +76,13 @@ def show_devices(agents: Iterable[tuple[str, Iterable[Any], dict[int, Any]]]) ->
             if (u := usage.get(d.index)) is not None:
                 DEVICE_MEMORY_USED.labels(agent=agent, device=index).set(u.memory_used_mb << 20)
                 DEVICE_UTILIZATION.labels(agent=agent, device=index).set(u.utilization / 100)
+
+
+def show_paused(kinds: Iterable[str]) -> None:
+    """Set ``gpuq_kind_paused``: a series for each kind paused now, none for the others."""
+    PAUSED.clear()
+    for kind in kinds:
+        PAUSED.labels(kind=kind).set(1)
 
 
 def show_inflight(by_kind: dict[str, int]) -> None:

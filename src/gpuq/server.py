@@ -95,13 +95,14 @@ class AgentServer:
                          "text/plain")
 
     async def _metrics(self) -> bytes:
-        """The Prometheus text, after setting the gauges read at scrape time: queue depth and the
-        backlog per kind and shape from the database (kept as they were when it does not answer),
-        devices and jobs in flight from the agents connected now."""
+        """The Prometheus text, after setting the gauges read at scrape time: queue depth, paused
+        kinds and the backlog per kind and shape from the database (kept as they were when it does
+        not answer), devices and jobs in flight from the agents connected now."""
         try:
             counts = await admin.status_counts(self.dispatcher.pool)
             for status in LIVE_STATES:
                 metrics.QUEUE_DEPTH.labels(status=status).set(counts.total(status))
+            metrics.show_paused(counts.paused)
             metrics.BACKLOG.show(await read_backlog(self.dispatcher.pool))
         except db.RETRYABLE_ERRORS:
             pass  # the rest of the metrics are still worth serving

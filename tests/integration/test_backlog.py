@@ -4,7 +4,7 @@ read by index probes whatever the backlog."""
 import anyio
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuq import backlog, plans
+from gpuq import admin, backlog, plans
 from gpuq.backlog import read_backlog
 from gpuq.harness import http_get, running_server
 from gpuq.sql import queries
@@ -73,10 +73,10 @@ async def test_a_backlog_read_touches_index_pages_not_the_backlog(conn):
 def _series(text: str, name: str) -> dict[tuple[str, str, str], float]:
     """(kind, gpus, model) -> value of one metric family."""
     [family] = [f for f in text_string_to_metric_families(text) if f.name == name]
-    return {(s.labels["kind"], s.labels["gpus"], s.labels["model"]): s.value for s in family.samples}
+    return {(s.labels["kind"], s.labels.get("gpus", ""), s.labels.get("model", "")): s.value for s in family.samples}
 
 
-async def test_metrics_show_the_backlog_and_zero_once_it_is_gone(dsn, pool):
+async def test_metrics_show_the_backlog_and_paused_kinds_and_zero_once_the_backlog_is_gone(dsn, pool):
     async with running_server(dsn) as srv:
         await pool.execute("INSERT INTO gpuq.jobs (kind, run_at) "
                            "SELECT 'scale-me', now() - interval '1 min' FROM generate_series(1, 6)")
@@ -85,9 +85,15 @@ async def test_metrics_show_the_backlog_and_zero_once_it_is_gone(dsn, pool):
         pending = _series(text, "gpuq_pending_jobs")
         assert pending[("scale-me", "0", "")] == 6 and pending[("scale-gpu", "2", "llama")] == 2
         assert _series(text, "gpuq_pending_oldest_seconds")[("scale-me", "0", "")] >= 60
+        assert not _series(text, "gpuq_kind_paused")
+        # A paused kind's jobs are not leased: a series says so, for autoscalers to leave them out.
+        await admin.pause(pool, "scale-me", "test")
+        assert _series((await http_get(srv.http + "/metrics"))[2], "gpuq_kind_paused") == {("scale-me", "", ""): 1}
+        await admin.resume(pool, "scale-me")
         await pool.execute("DELETE FROM gpuq.jobs WHERE kind IN ('scale-me', 'scale-gpu')")
         text = (await http_get(srv.http + "/metrics"))[2]
         pending, oldest = _series(text, "gpuq_pending_jobs"), _series(text, "gpuq_pending_oldest_seconds")
+        assert not _series(text, "gpuq_kind_paused")
         for key in (("scale-me", "0", ""), ("scale-gpu", "2", "llama")):
             assert pending[key] == 0 and oldest[key] == 0, key
 

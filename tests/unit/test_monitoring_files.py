@@ -109,8 +109,9 @@ def test_the_scaled_object_scales_the_agent_deployment_on_gpuq_metrics() -> None
         query = trigger["metadata"]["query"]
         check_expression(query)
         assert f'kind=~"{kinds}"' in query, "the query selects the kinds the agents take"
-    assert {"gpuq_pending_jobs", "gpuq_jobs_inflight_by_kind"} <= check_expression(work["metadata"]["query"])
+    assert check_expression(work["metadata"]["query"]) == {"gpuq_pending_jobs", "gpuq_kind_paused",
+                                                           "gpuq_jobs_inflight_by_kind"}
     assert work["metricType"] == "AverageValue" and work["metadata"]["threshold"] == env["GPUQ_CAPACITY"]
-    assert check_expression(wait["metadata"]["query"]) == {"gpuq_pending_oldest_seconds"}
+    assert check_expression(wait["metadata"]["query"]) == {"gpuq_pending_oldest_seconds", "gpuq_kind_paused"}
     # Agents finish their jobs on SIGTERM: scaling down must leave them the time.
     assert agent["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 60
