@@ -2,7 +2,7 @@
 
 ``gpuq_pending_jobs`` and ``gpuq_pending_oldest_seconds`` on ``/metrics``
 (docs/design.md, "Autoscaling signals"). The ``backlog`` statement reads them
-from the partial pending indexes by index probes alone, so a scrape costs
+from the partial pending indexes by index probes alone, so reading them costs
 O(kinds and shapes), never O(backlog):
 
 - the count walks at most ``COUNT_CAP`` index entries of each kind and shape
