@@ -69,6 +69,15 @@ class Fleet:
         every other server's (gpuq.fleet_agents, within its staleness bound)."""
         return await self._d.placing.unplaceable(list(self._d.sessions))
 
+    def inflight_by_kind(self) -> dict[str, int]:
+        """Jobs this server's agents hold (pushed, not yet reported) per kind: every kind a connected
+        agent takes, 0 when it holds none of it."""
+        held = {kind: 0 for s in self._d.sessions for kind in s.kinds}
+        for s in self._d.sessions:
+            for _token, kind in s.inflight.values():
+                held[kind] = held.get(kind, 0) + 1
+        return held
+
     def devices(self) -> list[tuple[str, Any, Any]]:
         """(agent, devices, usage) of every agent, for the GPU gauges on /metrics."""
         return [(s.id, s.devices, s.protocol.ledger.usage) for s in self._d.sessions]

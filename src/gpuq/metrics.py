@@ -6,8 +6,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from gpuq.backlog import COUNT_CAP, Backlog
 from gpuq.protocol.slots import GAP_BUCKETS_MS, SlotReport
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -36,8 +37,13 @@ LEASE_BATCH = Histogram(
 AGENTS = Gauge("gpuq_agents_connected", "Agents connected to this dispatcher", registry=REGISTRY)
 INFLIGHT = Gauge("gpuq_jobs_inflight", "Jobs pushed to agents of this dispatcher, not yet reported",
                  registry=REGISTRY)
+INFLIGHT_BY_KIND = Gauge("gpuq_jobs_inflight_by_kind", "Jobs pushed to agents of this dispatcher, not yet "
+                         "reported, per kind (at scrape time; every kind a connected agent takes)", ["kind"],
+                         registry=REGISTRY)
 QUEUE_DEPTH = Gauge("gpuq_queue_depth", "Live jobs by state (from the partial indexes, at scrape time)",
                     ["status"], registry=REGISTRY)
+PAUSED = Gauge("gpuq_kind_paused", "1 for each paused kind: its pending jobs are not leased (autoscalers "
+               "leave them out: unless on (kind) gpuq_kind_paused)", ["kind"], registry=REGISTRY)
 SWEEP_RECLAIMED = Counter("gpuq_jobs_reclaimed", "Expired leases returned to pending by the sweeper",
                           registry=REGISTRY)
 SWEEP_DEAD = Counter("gpuq_sweeper_dead", "Expired leases with no attempts left, now dead", registry=REGISTRY)
@@ -72,6 +78,20 @@ def show_devices(agents: Iterable[tuple[str, Iterable[Any], dict[int, Any]]]) ->
                 DEVICE_UTILIZATION.labels(agent=agent, device=index).set(u.utilization / 100)
 
 
+def show_paused(kinds: Iterable[str]) -> None:
+    """Set ``gpuq_kind_paused``: a series for each kind paused now, none for the others."""
+    PAUSED.clear()
+    for kind in kinds:
+        PAUSED.labels(kind=kind).set(1)
+
+
+def show_inflight(by_kind: dict[str, int]) -> None:
+    """Set ``gpuq_jobs_inflight_by_kind``, at scrape time, from the agents connected now."""
+    INFLIGHT_BY_KIND.clear()
+    for kind, n in by_kind.items():
+        INFLIGHT_BY_KIND.labels(kind=kind).set(n)
+
+
 class SlotGaps:
     """``gpuq_slot_gap_seconds``: the idle gaps agents report (protocol 6), a histogram built from
     their per-bucket counts (prometheus_client's Histogram only observes single values); and
@@ -103,3 +123,46 @@ class SlotGaps:
 
 SLOT_GAPS = SlotGaps()
 REGISTRY.register(SLOT_GAPS)  # type: ignore[arg-type]
+
+
+BACKLOG_LABELS = ("kind", "shape", "gpus", "gpu_memory_mb", "labels", "model")
+
+
+class BacklogGauges:
+    """``gpuq_pending_jobs`` and ``gpuq_pending_oldest_seconds`` per kind and placement shape, as
+    the last scrape read them (``gpuq.backlog``). A series once shown stays, at 0, when its
+    backlog is gone: autoscalers see zero, not an absent series. One series per kind with plain
+    jobs (shape "") and per row of gpuq.shapes: as many as the shapes the dispatchers know."""
+
+    def __init__(self) -> None:
+        self._latest: dict[tuple[str, ...], tuple[int, float]] = {}
+
+    def show(self, backlog: Iterable[Backlog]) -> None:
+        latest = {key: (0, 0.0) for key in self._latest}
+        for b in backlog:
+            latest[backlog_labels(b)] = (b.pending, b.oldest_seconds or 0.0)
+        self._latest = latest
+
+    def collect(self) -> Iterable[Any]:
+        pending = GaugeMetricFamily(
+            "gpuq_pending_jobs", f"Pending jobs per kind and placement shape, counted up to {COUNT_CAP} (at the cap: "
+            "at least that many); shape \"\" is the kind's plain jobs", labels=BACKLOG_LABELS)
+        oldest = GaugeMetricFamily(
+            "gpuq_pending_oldest_seconds", "How long the next job of a kind and shape has been due (the longest "
+            "over its priority levels; 0 when none is pending)", labels=BACKLOG_LABELS)
+        for key, (n, seconds) in sorted(self._latest.items()):
+            pending.add_metric(key, n)
+            oldest.add_metric(key, seconds)
+        yield pending
+        yield oldest
+
+
+def backlog_labels(b: Backlog) -> tuple[str, ...]:
+    """The label values of one kind and shape: NULL requirements as "", labels comma-joined."""
+    s = b.shape
+    return (s.kind, s.digest, str(s.gpus), "" if s.gpu_memory_mb is None else str(s.gpu_memory_mb),
+            ",".join(sorted(s.labels)), s.model or "")
+
+
+BACKLOG = BacklogGauges()
+REGISTRY.register(BACKLOG)  # type: ignore[arg-type]

@@ -25,6 +25,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from gpuq import admin, db, logs, metrics
+from gpuq.backlog import read_backlog
 from gpuq.config import ConfigError, ServerConfig
 from gpuq.dispatcher import AgentSession, Dispatcher, Tuning
 from gpuq.dispatcher.tuning import TUNING_DEFAULT
@@ -89,16 +90,25 @@ class AgentServer:
                                  json.dumps({"error": f"database unavailable: {exc}"}).encode(), "application/json")
             return _response(HTTPStatus.OK, json.dumps(body).encode(), "application/json")
         if path == "/metrics":
-            try:
-                counts = await admin.status_counts(self.dispatcher.pool)
-                for status in LIVE_STATES:
-                    metrics.QUEUE_DEPTH.labels(status=status).set(counts.total(status))
-            except db.RETRYABLE_ERRORS:
-                pass  # the rest of the metrics are still worth serving
-            metrics.show_devices(self.fleet.devices())
-            return _response(HTTPStatus.OK, generate_latest(metrics.REGISTRY), CONTENT_TYPE_LATEST)
+            return _response(HTTPStatus.OK, await self._metrics(), CONTENT_TYPE_LATEST)
         return _response(HTTPStatus.NOT_FOUND, b"not found: try /ui, /agent, /healthz, /status, /metrics, /jobs/ID\n",
                          "text/plain")
+
+    async def _metrics(self) -> bytes:
+        """The Prometheus text, after setting the gauges read at scrape time: queue depth, paused
+        kinds and the backlog per kind and shape from the database (kept as they were when it does
+        not answer), devices and jobs in flight from the agents connected now."""
+        try:
+            counts = await admin.status_counts(self.dispatcher.pool)
+            for status in LIVE_STATES:
+                metrics.QUEUE_DEPTH.labels(status=status).set(counts.total(status))
+            metrics.show_paused(counts.paused)
+            metrics.BACKLOG.show(await read_backlog(self.dispatcher.pool))
+        except db.RETRYABLE_ERRORS:
+            pass  # the rest of the metrics are still worth serving
+        metrics.show_devices(self.fleet.devices())
+        metrics.show_inflight(self.fleet.inflight_by_kind())
+        return bytes(generate_latest(metrics.REGISTRY))
 
     async def _job(self, tail: str, authorization: str) -> Response:
         """GET /jobs/ID: the whole job as JSON. Payloads and results are the users' data: the same

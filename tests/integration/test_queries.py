@@ -20,7 +20,7 @@ NAMES = {
     "lease_placed", "shapes", "placed_pending", "placed_head", "limits_lock", "lease_limited", "limit_set", "limits",
     "batch_policy_set", "batch_policies", "batch_head", "lease_batched",
     "job_attempts", "jobs_recent", "jobs_failed", "jobs_live", "jobs_keyed", "max_job_id", "last_agents",
-    "fleet_put", "fleet_drop", "fleet_refresh", "fleet_prune", "fleet_others",
+    "fleet_put", "fleet_drop", "fleet_refresh", "fleet_prune", "fleet_others", "backlog",
 }
 MULTI_STATEMENT = {"migrations_bootstrap", "plan_guards"}  # run as a simple query, never prepared
 

@@ -683,6 +683,54 @@ SELECT 'leased', kind, count(*), min(started_at) FROM gpuq.jobs WHERE status = '
 UNION ALL
 SELECT 'scheduled', kind, count(*), min(run_at) FROM gpuq.jobs WHERE status = 'scheduled' GROUP BY kind;
 
+-- name: backlog
+-- Per kind and placement shape (plain jobs: shape NULL; every gpuq.shapes row, 0 when none wait): pending jobs counted up to $1, and the longest the next job of any of its first $2 priority levels has been due. Index probes only (loose scans of jobs_pending_idx and jobs_placed_idx): O(kinds and shapes x levels + $1), whatever the backlog.
+WITH RECURSIVE kinds AS (  -- each kind with plain jobs pending, one descent each
+    (SELECT kind FROM gpuq.jobs WHERE status = 'pending' AND shape IS NULL ORDER BY kind, (-priority), id LIMIT 1)
+    UNION ALL
+    SELECT n.kind FROM kinds k CROSS JOIN LATERAL (
+        SELECT j.kind FROM gpuq.jobs j WHERE j.status = 'pending' AND j.shape IS NULL AND j.kind > k.kind
+        ORDER BY j.kind, (-j.priority), j.id LIMIT 1) AS n
+), plain_heads AS (  -- per kind, the next job of each priority level, highest first
+    SELECT k.kind, n.rank, n.run_at, 1 AS level FROM kinds k CROSS JOIN LATERAL (
+        SELECT (-j.priority) AS rank, j.run_at FROM gpuq.jobs j
+        WHERE j.status = 'pending' AND j.shape IS NULL AND j.kind = k.kind
+        ORDER BY (-j.priority), j.id LIMIT 1) AS n
+    UNION ALL
+    SELECT h.kind, n.rank, n.run_at, h.level + 1 FROM plain_heads h CROSS JOIN LATERAL (
+        SELECT (-j.priority) AS rank, j.run_at FROM gpuq.jobs j
+        WHERE j.status = 'pending' AND j.shape IS NULL AND j.kind = h.kind AND (-j.priority) > h.rank
+        ORDER BY (-j.priority), j.id LIMIT 1) AS n
+    WHERE h.level < $2
+), placed_heads AS (  -- per shape, the next job of each priority level, highest first
+    SELECT s.kind, s.shape, n.priority, n.run_at, 1 AS level FROM gpuq.shapes s CROSS JOIN LATERAL (
+        SELECT j.priority, j.run_at FROM gpuq.jobs j
+        WHERE j.status = 'pending' AND j.shape IS NOT NULL AND j.kind = s.kind AND j.shape = s.shape
+        ORDER BY j.priority DESC, j.id LIMIT 1) AS n
+    UNION ALL
+    SELECT h.kind, h.shape, n.priority, n.run_at, h.level + 1 FROM placed_heads h CROSS JOIN LATERAL (
+        SELECT j.priority, j.run_at FROM gpuq.jobs j
+        WHERE j.status = 'pending' AND j.shape IS NOT NULL AND j.kind = h.kind AND j.shape = h.shape
+          AND j.priority < h.priority
+        ORDER BY j.priority DESC, j.id LIMIT 1) AS n
+    WHERE h.level < $2
+)
+SELECT p.kind, NULL::text AS shape, 0::int2 AS gpus, NULL::int4 AS gpu_memory_mb, '{}'::text[] AS labels,
+       NULL::text AS model, false AS keyed,
+       (SELECT count(*) FROM (SELECT FROM gpuq.jobs j WHERE j.status = 'pending' AND j.shape IS NULL
+                              AND j.kind = p.kind LIMIT $1) AS c) AS pending,
+       p.waited
+FROM (SELECT kind, max(greatest(0, extract(epoch FROM now() - run_at)))::float8 AS waited
+      FROM plain_heads GROUP BY kind) AS p
+UNION ALL
+SELECT s.kind, s.shape, s.gpus, s.gpu_memory_mb, s.labels, s.model, s.keyed,
+       (SELECT count(*) FROM (SELECT FROM gpuq.jobs j WHERE j.status = 'pending' AND j.shape IS NOT NULL
+                              AND j.kind = s.kind AND j.shape = s.shape LIMIT $1) AS c),
+       p.waited
+FROM gpuq.shapes s
+LEFT JOIN (SELECT kind, shape, max(greatest(0, extract(epoch FROM now() - run_at)))::float8 AS waited
+           FROM placed_heads GROUP BY kind, shape) AS p ON p.kind = s.kind AND p.shape = s.shape;
+
 -- name: table_estimate
 -- The planner's row estimate of gpuq.jobs (O(1), approximate) and the server's clock.
 SELECT greatest(c.reltuples, 0)::bigint AS estimate, now() AS now FROM pg_class c
