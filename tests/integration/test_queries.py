@@ -18,7 +18,7 @@ NAMES = {
     "show", "kind_timeout_set", "kind_timeouts", "expire_deadlines", "notify_outcomes", "job_outcome",
     "schedule_add", "schedule_remove", "schedule_list", "schedules_due", "schedules_fire", "record_progress",
     "lease_placed", "shapes", "placed_pending", "placed_head", "limits_lock", "lease_limited", "limit_set", "limits",
-    "batch_policy_set", "batch_policies", "batch_head", "lease_batched",
+    "batch_policy_set", "batch_policies", "batch_head", "batch_head_placed", "lease_batched",
     "job_attempts", "jobs_recent", "jobs_failed", "jobs_live", "jobs_keyed", "max_job_id", "last_agents",
     "fleet_put", "fleet_drop", "fleet_refresh", "fleet_prune", "fleet_others", "backlog",
 }
