@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: dev test lint typecheck bench clean
+.PHONY: dev test lint typecheck bench wheel-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy src/gpuq
+
+# The package as users get it: build the sdist and the wheel (from the sdist), install the wheel
+# into a fresh virtualenv outside the source tree, and run gpuq migrate, gpuq serve (/healthz, the
+# dashboard) and an agent that runs a job from there, on a throwaway PostgreSQL. About 40 s.
+wheel-check:
+	$(PYTHON) .ci/wheel_smoke.py
 
 bench: $(STAMP)
 	$(BIN)/gpuq bench lease-history

@@ -1,8 +1,11 @@
 """The README's code examples, run as written against a live server, so they cannot drift."""
 
 import ast
+import inspect
 import re
 from pathlib import Path
+
+import anyio
 
 from gpuq import admin
 from gpuq.harness import running_server
@@ -12,6 +15,7 @@ from tests.helpers import wait_for, wait_status
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 RUN_LINE = "asyncio.run(agent.run_until_signal())"
+TESTING = "from gpuq.testing import"  # the block that tests handlers (it has an agent of its own)
 
 
 def blocks(language: str) -> list[str]:
@@ -43,7 +47,7 @@ async def test_the_python_producer_example(pool):
 
 async def test_the_ten_line_agent_example_runs_jobs(dsn, pool):
     [agent_code] = [b for b in blocks("python") if "class" not in b and "Agent(" in b and "devices" not in b
-                    and "batch_handler" not in b]
+                    and "batch_handler" not in b and TESTING not in b]
     assert agent_code.rstrip().splitlines()[-1].startswith(RUN_LINE)
     body = agent_code.replace(RUN_LINE, "")
     async with running_server(dsn, tokens=frozenset({"s3cret"})) as srv:
@@ -84,7 +88,7 @@ async def test_the_long_jobs_example_cancels_a_job_and_shows_it(pool):
 
 
 async def test_the_gpu_example_runs_a_two_gpu_job_on_its_two_devices(dsn, pool):
-    [agent_code] = [b for b in blocks("python") if "Agent(" in b and "job.devices" in b]
+    [agent_code] = [b for b in blocks("python") if "Agent(" in b and "job.devices" in b and TESTING not in b]
     [producer] = [b for b in blocks("python") if "gpus=2" in b and "Agent(" not in b]
     run_line = next(line for line in agent_code.splitlines() if line.startswith(RUN_LINE))
     async with running_server(dsn, tokens=frozenset({"s3cret"})) as srv:
@@ -126,3 +130,13 @@ async def test_the_batching_example_runs_jobs_in_one_call_each_with_its_own_resu
     assert [await pool.fetchval("SELECT result FROM gpuq.jobs WHERE id = $1", i) for i in (ids[0], ids[2])] == [
         {"vector": [5]}, {"vector": [2]}]
     assert "no text" in await pool.fetchval("SELECT last_error FROM gpuq.jobs WHERE id = $1", ids[1])
+
+
+async def test_the_testing_example_tests_a_handler_with_no_server_and_no_database():
+    [example] = [b for b in blocks("python") if TESTING in b]
+    namespace: dict = {}
+    await run_python(example, namespace)
+    tests = {name: f for name, f in namespace.items() if name.startswith("test_")}
+    assert len(tests) == 4
+    for test in tests.values():  # the README's own asserts; a sync one outside this event loop
+        await (test() if inspect.iscoroutinefunction(test) else anyio.to_thread.run_sync(test))

@@ -1,8 +1,9 @@
 """What each entry point loads, checked in a fresh interpreter.
 
 An agent on a GPU box needs only websockets: ``import gpuq.agent`` must not
-load asyncpg or the SQL side. ``gpuq --help`` and ``gpuq agent`` must not load
-the bench modules (3,000 lines and their dependencies).
+load asyncpg or the SQL side, nor ``import gpuq.testing`` (handler tests with no
+database). ``gpuq --help`` and ``gpuq agent`` must not load the bench modules
+(3,000 lines and their dependencies).
 """
 
 import json
@@ -22,6 +23,12 @@ def loaded_after(code: str) -> set[str]:
 def test_import_gpuq_agent_loads_nothing_of_the_database_side():
     mods = loaded_after("import gpuq.agent")
     assert "gpuq.agent" in mods and "websockets" in mods
+    assert not [m for m in mods if m.startswith(DATABASE_SIDE)]
+
+
+def test_import_gpuq_testing_loads_nothing_of_the_database_side():
+    mods = loaded_after("import gpuq.testing")
+    assert "gpuq.testing" in mods and "gpuq.agent" in mods
     assert not [m for m in mods if m.startswith(DATABASE_SIDE)]
 
 

@@ -23,7 +23,8 @@ without one, to the batch handler as a batch of one (``agent.batches``).
 Cancelled jobs (``gpuq cancel``): an async handler is cancelled (it sees
 ``asyncio.CancelledError``; a process it started with ``run_process`` gets
 SIGTERM, then SIGKILL after a grace period); a sync handler finds
-``job.cancelled`` true and should return early. A job with a timeout
+``job.cancelled`` true and should return early; a job cancelled before its
+handler started never runs it. A job with a timeout
 (``job.timeout`` seconds) is stopped the same way when it passes, and fails
 with ``timeout`` (retried while attempts remain).
 

@@ -8,7 +8,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from gpuq.agent.batches import batch_jobs, record_raised, record_returned
-from gpuq.agent.handlers import Job, PermanentError, summary
+from gpuq.agent.handlers import CANCELLED_ERROR, TIMEOUT_ERROR, Job, PermanentError, summary
 from gpuq.agent.slots import Slots
 from gpuq.protocol.batches import Unit
 
@@ -35,10 +35,8 @@ class AsyncSlots(Slots):
             # start go out in one frame while the handler already runs.
             self._wake()
             try:
-                if batched:
-                    await self._run_batch(job)
-                else:
-                    await self._run_job(job)
+                if not self.ended_before_start(job):
+                    await (self._run_batch(job) if batched else self._run_job(job))
             finally:
                 self._tasks.pop(job.id, None)
             job = self.next_in_slot(job, None)
@@ -65,7 +63,7 @@ class AsyncSlots(Slots):
                     result = await handler(job)
         except TimeoutError as exc:
             if limit is not None and limit.expired():
-                self.protocol.job_failed(job, "timeout", retryable=True)
+                self.protocol.job_failed(job, TIMEOUT_ERROR, retryable=True)
             else:  # the handler's own
                 self.protocol.job_failed(job, summary(exc), retryable=True)
         except asyncio.CancelledError:
@@ -73,7 +71,7 @@ class AsyncSlots(Slots):
                 raise  # the agent is stopping, not the job
             if (task := asyncio.current_task()) is not None:
                 task.uncancel()  # the slot's task goes on with its next job
-            self.protocol.job_failed(job, "cancelled", retryable=False)
+            self.protocol.job_failed(job, CANCELLED_ERROR, retryable=False)
         except PermanentError as exc:
             self.protocol.job_failed(job, summary(exc), retryable=False)
         except Exception as exc:  # the handler's failure is the job's, not ours

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gpuq.agent.handlers import Job, PermanentError, summary
+from gpuq.agent.handlers import CANCELLED_ERROR, TIMEOUT_ERROR, Job, PermanentError, summary
 from gpuq.protocol.agent_side import AgentProtocol
 from gpuq.protocol.batches import Batch, Unit
 
@@ -34,7 +34,7 @@ def record_returned(protocol: AgentProtocol, jobs: Sequence[Job], returned: Any,
     """Each item's outcome from what the batch handler returned."""
     if expired:
         for job in jobs:
-            protocol.job_failed(job, "timeout", retryable=True)
+            protocol.job_failed(job, TIMEOUT_ERROR, retryable=True)
         return
     if not isinstance(returned, list) or len(returned) != len(jobs):
         got = f"a list of {len(returned)}" if isinstance(returned, list) else type(returned).__name__
@@ -45,7 +45,7 @@ def record_returned(protocol: AgentProtocol, jobs: Sequence[Job], returned: Any,
         return
     for job, entry in zip(jobs, returned, strict=True):
         if job.cancelled:
-            protocol.job_failed(job, "cancelled", retryable=False)
+            protocol.job_failed(job, CANCELLED_ERROR, retryable=False)
         elif isinstance(entry, BaseException):
             protocol.job_failed(job, summary(entry), retryable=not isinstance(entry, PermanentError))
         else:
@@ -57,6 +57,6 @@ def record_raised(protocol: AgentProtocol, jobs: Sequence[Job], exc: BaseExcepti
     error, retryable = summary(exc), not isinstance(exc, PermanentError)
     for job in jobs:
         if job.cancelled:
-            protocol.job_failed(job, "cancelled", retryable=False)
+            protocol.job_failed(job, CANCELLED_ERROR, retryable=False)
         else:
             protocol.job_failed(job, error, retryable)

@@ -9,7 +9,7 @@ import inspect
 import socket
 import ssl
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import anyio
@@ -76,12 +76,6 @@ class Agent:
         # The GPUs jobs may get: given, or what NVML sees (none without an NVIDIA driver).
         self.devices = gpus.detect() if devices is None else tuple(devices)
         self._usage = gpus.Usage(self.devices)
-        # Sync handlers' slots run in worker threads and call the protocol from there: it locks.
-        is_async = _all_async(handler, batch_handler)
-        protocol_class = AgentProtocol if is_async else ThreadSafeAgentProtocol
-        self.protocol = protocol_class(Hello(self.name, self.kinds, capacity, devices=self.devices,
-                                             labels=tuple(labels), models=tuple(models), prefetch=prefetch,
-                                             batch=max_batch if batch_handler else 0))  # checks the hello
         self._ready = asyncio.Event()  # the protocol has frames to send
         self._stop_event = asyncio.Event()
         self._reconnect_now = _Nudge()  # stop() cuts the current reconnect wait short, not the later ones
@@ -91,9 +85,10 @@ class Agent:
         self._running: anyio.CancelScope | None = None  # run()'s, while it runs
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._progress_due = asyncio.Event()  # a handler reported progress since the last send
-        slots_class = AsyncSlots if is_async else ThreadSlots
-        self._slots: Slots = slots_class(self.protocol, handler, self._ready.set, self._report_progress,
-                                         batch_handler)
+        hello = Hello(self.name, self.kinds, capacity, devices=self.devices, labels=tuple(labels),
+                      models=tuple(models), prefetch=prefetch, batch=max_batch if batch_handler else 0)
+        self._slots = handler_slots(hello, handler, batch_handler, self._ready.set, self._report_progress)
+        self.protocol = self._slots.protocol
 
     @property
     def handler(self) -> Handler | None:
@@ -302,6 +297,19 @@ class _Nudge:
     async def wait(self) -> None:
         await self._event.wait()
         self._event.clear()
+
+
+def handler_slots(hello: Hello, handler: Handler | None, batch_handler: BatchHandler | None,
+                  wake: Callable[[], None], report_progress: Callable[[int, str], None]) -> Slots:
+    """The slots that run these handlers, with the protocol they record outcomes in
+    (``slots.protocol``, checking ``hello``): async handlers run in asyncio tasks, sync ones in
+    worker threads, which call the protocol from there (so it locks). ``wake``: frames to send;
+    ``report_progress``: where ``job.progress()`` goes. ``ValueError`` for neither handler, or one
+    of each kind. ``Agent`` and ``gpuq.testing`` both run handlers in these."""
+    is_async = _all_async(handler, batch_handler)
+    protocol_class = AgentProtocol if is_async else ThreadSafeAgentProtocol
+    slots_class = AsyncSlots if is_async else ThreadSlots
+    return slots_class(protocol_class(hello), handler, wake, report_progress, batch_handler)
 
 
 def _is_async(f: object) -> bool:

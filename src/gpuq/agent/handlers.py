@@ -17,6 +17,11 @@ Job = protocol.JobMessage
 
 Handler = Callable[[Job], Any]
 
+# The error the agent reports for an attempt it stopped: at the job's timeout (retryable), or
+# because the server cancelled the job (not retryable; the server has already ended it).
+TIMEOUT_ERROR = "timeout"
+CANCELLED_ERROR = "cancelled"
+
 
 class PermanentError(Exception):
     """Raise from a handler for a failure that retrying cannot fix: the job goes dead."""

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from gpuq import protocol
-from gpuq.agent.batches import BatchHandler
-from gpuq.agent.handlers import Handler, Job
+from gpuq.agent.batches import BatchHandler, batch_jobs
+from gpuq.agent.handlers import CANCELLED_ERROR, Handler, Job
 from gpuq.protocol.agent_side import AgentProtocol
 from gpuq.protocol.batches import Batch, Unit
 
@@ -57,6 +57,17 @@ class Slots(abc.ABC):
     def batched(self, unit: Unit) -> bool:
         """Whether ``unit`` goes to the batch handler: a batch, or any job when there is no other."""
         return isinstance(unit, Batch) or self.handler is None
+
+    def ended_before_start(self, unit: Unit) -> bool:
+        """Whether ``unit`` (a job, or every item of a batch) was cancelled before its handler
+        started (the server's cancel came before its slot did): then it has ended ``cancelled``
+        here, and its handler must not run."""
+        jobs = batch_jobs(unit)
+        if not all(job.cancelled for job in jobs):
+            return False
+        for job in jobs:
+            self.protocol.job_failed(job, CANCELLED_ERROR, retryable=False)
+        return True
 
     @abc.abstractmethod
     async def run_slot(self, job: Unit | None) -> None:

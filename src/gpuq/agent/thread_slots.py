@@ -13,7 +13,7 @@ import anyio
 
 from gpuq import protocol
 from gpuq.agent.batches import batch_jobs, record_raised, record_returned
-from gpuq.agent.handlers import Job, PermanentError, summary
+from gpuq.agent.handlers import TIMEOUT_ERROR, Job, PermanentError, summary
 from gpuq.agent.slots import Slots
 from gpuq.protocol.batches import Unit
 
@@ -62,6 +62,9 @@ class ThreadSlots(Slots):
     def _run_job(self, job: Unit) -> tuple[float, float]:
         """Call the handler, or the batch handler, (in the slot's thread) and record the outcomes;
         its (start, end)."""
+        if self.ended_before_start(job):  # before its timer: ``cancelled`` is the server's
+            now = self.protocol.clock()
+            return now, now
         expired: list[bool] = []
         timers: list[asyncio.TimerHandle] = []
         loop, timeout, jobs = self.event_loop(), job.timeout, batch_jobs(job)
@@ -89,7 +92,7 @@ class ThreadSlots(Slots):
             self.protocol.job_failed(job, summary(exc), retryable=True)
         else:
             if expired:
-                self.protocol.job_failed(job, "timeout", retryable=True)
+                self.protocol.job_failed(job, TIMEOUT_ERROR, retryable=True)
             else:
                 self.protocol.job_done(job, result)
 
