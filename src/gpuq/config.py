@@ -142,6 +142,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ui_sample_seconds", "GPUQ_UI_SAMPLE_SECONDS", 10.0, parse_duration,
             "how often the dashboard samples rates, queue depth and latency for its last-hour charts",
             {SERVE: "--ui-sample-seconds"}),
+    Setting("metrics_sample_seconds", "GPUQ_METRICS_SAMPLE_SECONDS", 5.0, parse_duration,
+            "how often serve reads queue depth, paused kinds and the backlog per kind and shape for /metrics "
+            "(a scrape reads no database; after a read of d seconds the next waits at least 50 d)",
+            {SERVE: "--metrics-sample-seconds"}),
     Setting("lease_seconds", "GPUQ_LEASE_SECONDS", 60.0, parse_duration,
             "lease length; a silent agent's jobs return after it", {SERVE: "--lease-seconds"}),
     Setting("heartbeat_seconds", "GPUQ_HEARTBEAT_SECONDS", 15.0, parse_duration,
@@ -282,6 +286,7 @@ class ServerConfig:
     ui_tokens: frozenset[str] = default("ui_tokens")
     ui_admin_tokens: frozenset[str] = default("ui_admin_tokens")
     ui_sample_seconds: float = default("ui_sample_seconds")
+    metrics_sample_seconds: float = default("metrics_sample_seconds")
     lease_seconds: float = default("lease_seconds")
     heartbeat_seconds: float = default("heartbeat_seconds")
     poll_seconds: float = default("poll_seconds")
@@ -299,7 +304,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         for name in ("lease_seconds", "heartbeat_seconds", "poll_seconds", "busy_poll_seconds", "sweep_seconds", "drain_seconds",
-                     "reserve_after_seconds"):
+                     "reserve_after_seconds", "ui_sample_seconds", "metrics_sample_seconds"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
         if self.heartbeat_seconds >= self.lease_seconds:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from gpuq.backlog import COUNT_CAP, Backlog
+from gpuq.jobs import LIVE_STATES, StatusCounts
 from gpuq.protocol.slots import GAP_BUCKETS_MS, SlotReport
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -40,8 +41,12 @@ INFLIGHT = Gauge("gpuq_jobs_inflight", "Jobs pushed to agents of this dispatcher
 INFLIGHT_BY_KIND = Gauge("gpuq_jobs_inflight_by_kind", "Jobs pushed to agents of this dispatcher, not yet "
                          "reported, per kind (at scrape time; every kind a connected agent takes)", ["kind"],
                          registry=REGISTRY)
-QUEUE_DEPTH = Gauge("gpuq_queue_depth", "Live jobs by state (from the partial indexes, at scrape time)",
-                    ["status"], registry=REGISTRY)
+QUEUE_DEPTH = Gauge("gpuq_queue_depth", "Live jobs by state (from the partial indexes, as the census last read "
+                    "them: gpuq_queue_sample_age_seconds ago)", ["status"], registry=REGISTRY)
+QUEUE_SAMPLE_AGE = Gauge("gpuq_queue_sample_age_seconds", "How old the gauges read from the database are (queue "
+                         "depth, paused kinds, backlog): seconds since the census's last successful read began "
+                         "(NaN before the first)", registry=REGISTRY)
+QUEUE_SAMPLE_AGE.set(float("nan"))
 PAUSED = Gauge("gpuq_kind_paused", "1 for each paused kind: its pending jobs are not leased (autoscalers "
                "leave them out: unless on (kind) gpuq_kind_paused)", ["kind"], registry=REGISTRY)
 SWEEP_RECLAIMED = Counter("gpuq_jobs_reclaimed", "Expired leases returned to pending by the sweeper",
@@ -76,6 +81,16 @@ def show_devices(agents: Iterable[tuple[str, Iterable[Any], dict[int, Any]]]) ->
             if (u := usage.get(d.index)) is not None:
                 DEVICE_MEMORY_USED.labels(agent=agent, device=index).set(u.memory_used_mb << 20)
                 DEVICE_UTILIZATION.labels(agent=agent, device=index).set(u.utilization / 100)
+
+
+def show_queue(counts: StatusCounts, backlog: Iterable[Backlog], age: Callable[[], float]) -> None:
+    """Set the gauges read from the database (``gpuq.census``): queue depth, paused kinds, the
+    backlog per kind and shape, and ``age``, how old they are at each scrape."""
+    for status in LIVE_STATES:
+        QUEUE_DEPTH.labels(status=status).set(counts.total(status))
+    show_paused(counts.paused)
+    BACKLOG.show(backlog)
+    QUEUE_SAMPLE_AGE.set_function(age)
 
 
 def show_paused(kinds: Iterable[str]) -> None:
@@ -130,7 +145,7 @@ BACKLOG_LABELS = ("kind", "shape", "gpus", "gpu_memory_mb", "labels", "model")
 
 class BacklogGauges:
     """``gpuq_pending_jobs`` and ``gpuq_pending_oldest_seconds`` per kind and placement shape, as
-    the last scrape read them (``gpuq.backlog``). A series once shown stays, at 0, when its
+    the census last read them (``gpuq.backlog``, ``gpuq.census``). A series once shown stays, at 0, when its
     backlog is gone: autoscalers see zero, not an absent series. One series per kind with plain
     jobs (shape "") and per row of gpuq.shapes: as many as the shapes the dispatchers know."""
 

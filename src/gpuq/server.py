@@ -25,12 +25,11 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from gpuq import admin, db, logs, metrics
-from gpuq.backlog import read_backlog
+from gpuq.census import Census
 from gpuq.config import ConfigError, ServerConfig
 from gpuq.dispatcher import AgentSession, Dispatcher, Tuning
 from gpuq.dispatcher.tuning import TUNING_DEFAULT
 from gpuq.fleet import Fleet
-from gpuq.jobs import LIVE_STATES
 from gpuq.maintenance import Maintainer
 from gpuq.migrate import pending_migrations
 from gpuq.protocol import CloseCode, Welcome, server_side
@@ -51,7 +50,9 @@ class AgentServer:
         self.dispatcher = dispatcher
         self.fleet = Fleet(dispatcher)
         self.config = config
-        self.ui = Dashboard(self.fleet, config.ui_tokens, config.ui_admin_tokens, tls, config.ui_sample_seconds)
+        self.census = Census(dispatcher.pool, config.metrics_sample_seconds)
+        self.ui = Dashboard(self.fleet, self.census, config.ui_tokens, config.ui_admin_tokens, tls,
+                            config.ui_sample_seconds)
         self._per_ip: dict[str, int] = {}
         self._connections = 0
 
@@ -90,22 +91,14 @@ class AgentServer:
                                  json.dumps({"error": f"database unavailable: {exc}"}).encode(), "application/json")
             return _response(HTTPStatus.OK, json.dumps(body).encode(), "application/json")
         if path == "/metrics":
-            return _response(HTTPStatus.OK, await self._metrics(), CONTENT_TYPE_LATEST)
+            return _response(HTTPStatus.OK, self._metrics(), CONTENT_TYPE_LATEST)
         return _response(HTTPStatus.NOT_FOUND, b"not found: try /ui, /agent, /healthz, /status, /metrics, /jobs/ID\n",
                          "text/plain")
 
-    async def _metrics(self) -> bytes:
-        """The Prometheus text, after setting the gauges read at scrape time: queue depth, paused
-        kinds and the backlog per kind and shape from the database (kept as they were when it does
-        not answer), devices and jobs in flight from the agents connected now."""
-        try:
-            counts = await admin.status_counts(self.dispatcher.pool)
-            for status in LIVE_STATES:
-                metrics.QUEUE_DEPTH.labels(status=status).set(counts.total(status))
-            metrics.show_paused(counts.paused)
-            metrics.BACKLOG.show(await read_backlog(self.dispatcher.pool))
-        except db.RETRYABLE_ERRORS:
-            pass  # the rest of the metrics are still worth serving
+    def _metrics(self) -> bytes:
+        """The Prometheus text. A scrape reads no database, so any number of scrapers cost it
+        nothing: queue depth, paused kinds and the backlog are the census's last read
+        (``gpuq.census``); devices and jobs in flight are set now, from the agents connected."""
         metrics.show_devices(self.fleet.devices())
         metrics.show_inflight(self.fleet.inflight_by_kind())
         return bytes(generate_latest(metrics.REGISTRY))
@@ -338,6 +331,7 @@ async def serve(
         async with anyio.create_task_group() as tg:
             tg.start_soon(dispatcher.run)
             tg.start_soon(maintainer.run)
+            await tg.start(front.census.run)  # its first read before the first scrape can come
             if front.ui.keys.enabled:
                 tg.start_soon(front.ui.sample_forever)
             async with websockets.serve(

@@ -4,7 +4,7 @@ read by index probes whatever the backlog."""
 import anyio
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuq import admin, backlog, plans
+from gpuq import admin, backlog, census, plans
 from gpuq.backlog import read_backlog
 from gpuq.harness import http_get, running_server
 from gpuq.sql import queries
@@ -76,22 +76,35 @@ def _series(text: str, name: str) -> dict[tuple[str, str, str], float]:
     return {(s.labels["kind"], s.labels.get("gpus", ""), s.labels.get("model", "")): s.value for s in family.samples}
 
 
-async def test_metrics_show_the_backlog_and_paused_kinds_and_zero_once_the_backlog_is_gone(dsn, pool):
-    async with running_server(dsn) as srv:
+async def _scrape_until(srv, check) -> str:
+    """The first /metrics text ``check`` accepts: the gauges follow the census's next read (gpuq.census)."""
+    text = [""]
+
+    async def passes() -> bool:
+        text[0] = (await http_get(srv.http + "/metrics"))[2]
+        return check(text[0])
+
+    await wait_for(passes)
+    return text[0]
+
+
+async def test_metrics_show_the_backlog_and_paused_kinds_and_zero_once_the_backlog_is_gone(dsn, pool, monkeypatch):
+    monkeypatch.setattr(census, "LOAD_SHARE", 1.0)  # a read every 0.05 s, however slow this machine's reads are
+    async with running_server(dsn, metrics_sample_seconds=0.05) as srv:
         await pool.execute("INSERT INTO gpuq.jobs (kind, run_at) "
                            "SELECT 'scale-me', now() - interval '1 min' FROM generate_series(1, 6)")
         await _placed(pool, 2, "scale-gpu", 2, model="llama", ago_seconds=5)
-        text = (await http_get(srv.http + "/metrics"))[2]
+        text = await _scrape_until(srv, lambda t: ("scale-gpu", "2", "llama") in _series(t, "gpuq_pending_jobs"))
         pending = _series(text, "gpuq_pending_jobs")
         assert pending[("scale-me", "0", "")] == 6 and pending[("scale-gpu", "2", "llama")] == 2
         assert _series(text, "gpuq_pending_oldest_seconds")[("scale-me", "0", "")] >= 60
         assert not _series(text, "gpuq_kind_paused")
         # A paused kind's jobs are not leased: a series says so, for autoscalers to leave them out.
         await admin.pause(pool, "scale-me", "test")
-        assert _series((await http_get(srv.http + "/metrics"))[2], "gpuq_kind_paused") == {("scale-me", "", ""): 1}
+        await _scrape_until(srv, lambda t: _series(t, "gpuq_kind_paused") == {("scale-me", "", ""): 1})
         await admin.resume(pool, "scale-me")
         await pool.execute("DELETE FROM gpuq.jobs WHERE kind IN ('scale-me', 'scale-gpu')")
-        text = (await http_get(srv.http + "/metrics"))[2]
+        text = await _scrape_until(srv, lambda t: not _series(t, "gpuq_pending_jobs")[("scale-me", "0", "")])
         pending, oldest = _series(text, "gpuq_pending_jobs"), _series(text, "gpuq_pending_oldest_seconds")
         assert not _series(text, "gpuq_kind_paused")
         for key in (("scale-me", "0", ""), ("scale-gpu", "2", "llama")):

@@ -2,9 +2,10 @@
 
 Every ``sample_seconds`` the dashboard takes one ``Sample``: jobs done,
 attempts failed and jobs dead per second (this dispatcher's committed
-outcomes, from its counters), the queue depth (the partial indexes' live
-counts, as ``/status`` reads them) and the lease and completion latency of
-the interval (``gpuq.latency``). A ring holds an hour of them; ``chart``
+outcomes, from its counters), the queue depth (the live counts of the
+census's last read, ``gpuq.census``: the dashboard reads no counts of its
+own for them) and the lease and completion latency of the interval
+(``gpuq.latency``). A ring holds an hour of them; ``chart``
 draws a series as SVG points.
 """
 

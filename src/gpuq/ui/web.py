@@ -29,11 +29,12 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from gpuq import db, logs
-from gpuq.admin import LIST_WINDOW, retry_count, status_counts
+from gpuq import logs
+from gpuq.admin import LIST_WINDOW, retry_count
+from gpuq.census import Census
 from gpuq.fleet import Fleet
 from gpuq.jobs import JobFilter
-from gpuq.loops import Outage, run_every
+from gpuq.loops import run_every
 from gpuq.ui import actions, auth, params, views
 from gpuq.ui.shared import Shared
 from gpuq.ui.trend import Trend
@@ -78,9 +79,10 @@ _templates.filters["when"] = views.when
 class Dashboard:
     """/ui for one server: what it shows of the agents comes from the fleet read model."""
 
-    def __init__(self, fleet: Fleet, read_tokens: frozenset[str], admin_tokens: frozenset[str], tls: bool,
-                 sample_seconds: float = 10.0):
+    def __init__(self, fleet: Fleet, census: Census, read_tokens: frozenset[str], admin_tokens: frozenset[str],
+                 tls: bool, sample_seconds: float = 10.0):
         self.fleet = fleet
+        self.census = census
         self.keys = auth.Keys(read_tokens, admin_tokens)
         self.tls = tls
         self.trend = Trend(fleet.latency, sample_seconds)
@@ -105,12 +107,13 @@ class Dashboard:
         return await self.shared.get(("job", job_id), lambda: views.job(self.fleet, job_id))
 
     async def sample_forever(self) -> None:
-        """Take the overview's samples (``trend``) until cancelled; a database outage is retried."""
+        """Take the overview's samples (``trend``) until cancelled: rates from this server's
+        counters, queue depth from the census's last read (no sample while its reads fail)."""
         async def sample() -> None:
-            self.trend.take(await status_counts(self.fleet.pool))
+            if (census := self.census.current) is not None:
+                self.trend.take(census.counts)
 
-        await run_every(self.trend.sample_seconds, sample, errors=db.RETRYABLE_ERRORS,
-                        outage=Outage(log, "ui.sample_failed"))
+        await run_every(self.trend.sample_seconds, sample)
 
     # -- HTTP ------------------------------------------------------------
 
