@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: dev test lint typecheck bench wheel-check clean
+.PHONY: dev test lint typecheck bench wheel-check screenshots clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ wheel-check:
 bench: $(STAMP)
 	$(BIN)/gpuq bench lease-history
 	$(BIN)/gpuq bench throughput --compare pgqueuer
+
+# The README's overview and agents screenshots (docs/img), from the demo in a real Chromium
+# (about 40 s); CI=true makes a missing browser an error rather than a skip.
+screenshots: $(STAMP)
+	CI=true GPUQ_DOCS_SCREENSHOTS=1 GPUQ_SCREENSHOTS=docs/img $(BIN)/pytest -q tests/browser/test_demo_screenshots.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

@@ -1,10 +1,10 @@
 """``gpuq dev``: the whole system on an embedded PostgreSQL, with live progress.
 
 Starts (or reuses) the private cluster under ``.gpuq/``, migrates, runs the
-server (dispatcher + sweeper + websockets), a few demo agents and a producer
-in one process, and prints one progress line per second until Ctrl-C or
-``--duration``. Then it drains, stops the cluster (its data is kept) and
-exits 0.
+server (dispatcher + sweeper + websockets), the demo's simulated GPU agents
+and its producer (``gpuq.demomix``) in one process, and prints one progress
+line per second until Ctrl-C or ``--duration``. Then it drains, stops the
+cluster (its data is kept) and exits 0.
 """
 
 from __future__ import annotations
@@ -17,16 +17,21 @@ from pathlib import Path
 
 import anyio
 
-from gpuq import admin, devdb, logs, metrics, queue
+from gpuq import admin, demomix, devdb, logs, metrics
 from gpuq.agent import Agent
 from gpuq.config import ServerConfig
 from gpuq.db import create_pool
-from gpuq.demo import handle
-from gpuq.jobs import NewJob
+from gpuq.demomix import Mix, Producer
 from gpuq.migrate import migrate
 from gpuq.runtime import run_service
 from gpuq.server import serve
 from gpuq.signals import stop_on_signal
+
+# A stop (Ctrl-C, --duration) waits this long for the running jobs; the long demo jobs that still
+# run are given back to the queue (and run again next time).
+DRAIN_SECONDS = 0.5
+# The overview's charts get a point every 2 s (not 10 s): a shape in the first minute.
+UI_SAMPLE_SECONDS = 2.0
 
 
 def run_dev(args: argparse.Namespace) -> int:
@@ -50,7 +55,8 @@ async def _run(args: argparse.Namespace, dsn: str) -> None:
     token, ui_token = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
     config = ServerConfig(database_url=dsn, listen=("127.0.0.1", args.port), tokens=frozenset({token}),
                           ui_admin_tokens=frozenset({ui_token}), lease_seconds=30, heartbeat_seconds=5,
-                          poll_seconds=1, drain_seconds=10)
+                          poll_seconds=1, drain_seconds=DRAIN_SECONDS,
+                          ui_sample_seconds=UI_SAMPLE_SECONDS)
     stop = anyio.Event()
     port_ready = anyio.Event()
     ports: list[int] = []
@@ -71,11 +77,12 @@ async def _run(args: argparse.Namespace, dsn: str) -> None:
             print(f"server on http://127.0.0.1:{ports[0]}  (/status /metrics /healthz; agent token {token})",
                   flush=True)
             print(f"dashboard on http://127.0.0.1:{ports[0]}/ui  (admin token {ui_token})", flush=True)
+            await demomix.setup(pool)
             for i in range(args.agents):
-                agent = Agent(url, token, ["demo"], args.capacity, handle, f"demo-{i}")
+                agent = Agent(url, token, **demomix.agent_kwargs(i, args.capacity))
                 agents.append(agent)
                 tg.start_soon(agent.run)
-            producer = Producer(pool, args.rate, args.job_seconds)
+            producer = Producer(pool, Mix(args.rate, args.job_seconds, demomix.fleet(args.agents)))
             tg.start_soon(producer.run, stop)
             await _progress(pool, producer, agents, stop)
             for agent in agents:
@@ -85,24 +92,6 @@ async def _run(args: argparse.Namespace, dsn: str) -> None:
     done = sum(a.completed for a in agents)
     print(f"stopped cleanly: {producer.enqueued} jobs enqueued, {done} completed by {len(agents)} agents",
           flush=True)
-
-
-class Producer:
-    """Enqueues demo jobs at a steady rate, in small batches (one INSERT each)."""
-
-    def __init__(self, pool: object, rate: float, job_seconds: float):
-        self.pool, self.rate, self.job_seconds = pool, rate, job_seconds
-        self.enqueued = 0
-
-    async def run(self, stop: anyio.Event) -> None:
-        start = time.monotonic()
-        while not stop.is_set():
-            due = int((time.monotonic() - start) * self.rate) - self.enqueued
-            if due > 0:
-                jobs = [NewJob("demo", {"seconds": self.job_seconds, "n": self.enqueued + i}) for i in range(due)]
-                await queue.enqueue_many(self.pool, jobs)  # type: ignore[arg-type]
-                self.enqueued += due
-            await anyio.sleep(0.05)
 
 
 async def _progress(pool: object, producer: Producer, agents: list[Agent], stop: anyio.Event) -> None:

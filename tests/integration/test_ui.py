@@ -344,6 +344,28 @@ async def test_the_agents_page_links_the_job_each_gpu_runs(dsn, pool):
         assert f'runs <a href="/ui/jobs/{job_id}">{job_id}</a>' in body and body.count("runs <a") == 1
 
 
+async def test_the_agents_page_shows_the_progress_each_running_job_reported(dsn, pool):
+    from gpuq.producer import enqueue
+
+    async def train(job):
+        job.progress(0.4, "epoch <2>/5")
+        await anyio.sleep(30)  # not a settle wait: the job runs while the page is read
+
+    async with running_server(dsn, drain_seconds=0.1, **UI) as srv:
+        await srv.agent(["train"], 1, train, "trainer")
+        job_id = await enqueue(pool, "train", {})
+        cookie = {"Cookie": await login(srv.port, READ)}
+        page: list[str] = []
+
+        async def shows_progress() -> bool:
+            page[:] = [(await request(srv.port, "GET", "/ui/agents", cookie))[2]]
+            return "<progress" in page[0]
+
+        await wait_for(shows_progress, interval=0.1)
+    assert f'<div class="progress" data-job="{job_id}"><a href="/ui/jobs/{job_id}">{job_id}</a> ' \
+           '<progress max="1" value="0.4"></progress> 40% epoch &lt;2&gt;/5</div>' in page[0]
+
+
 async def test_the_controls_page_shows_what_the_cli_set_and_an_admin_removes_a_schedule(dsn, pool):
     from gpuq import admin as admin_api
     from gpuq import schedules
