@@ -90,22 +90,19 @@ class Batching:
             credits = [s.id for s in _by_credit(takers)][:per_statement]
             if not credits:
                 return
-            limit = len(credits) * size * HEAD_READ  # more than one batch per credit: keys split the head
-            head = await queue.batch_head(self.pool, kind, limit)
-            go, due_in = batches.ready(batches.form(head, size, policy.max_cost), policy.max_wait_ms)
+            look = await Look.take(self.pool, kind, policy, size, len(credits))
             self._due.pop(kind, None)
-            if due_in is not None:
-                self._due[kind] = time.monotonic() + due_in / 1000
-            sent = go[:len(credits)]
-            if not sent:
-                if due_in is None:
+            if look.due_at is not None:
+                self._due[kind] = look.due_at
+            if not look.sent:
+                if look.due_at is None:
                     self._short.add(kind)  # nothing waits: until something is announced or frees
                 return
-            jobs = await lease_formed(self.pool, self.config, kind, sent, credits)
+            jobs = await lease_formed(self.pool, self.config, kind, look.sent, credits)
             fruitless = 0 if jobs else fruitless + 1  # none: another server took them first
             yield jobs
-            if len(go) == len(sent) and len(head) < limit and len(jobs) == sum(len(b.jobs) for b in sent):
-                if due_in is None:
+            if look.all_sent and len(jobs) == sum(len(b.jobs) for b in look.sent):
+                if look.due_at is None:
                     self._short.add(kind)  # all it had went
                 return
 
@@ -134,6 +131,26 @@ class Batching:
                              for p in await admin.batching(self.pool)}
             self._due = {k: at for k, at in self._due.items() if k in self.policies}
             self._read_at, self._stale = now, False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Look:
+    """One look at a batched kind's (or shape's) next jobs: the batches that may go now, one per slot."""
+
+    sent: list[batches.Batch]
+    due_at: float | None  # when (monotonic) the next partial batch may go; None: none waits
+    all_sent: bool  # every job of the head is in ``sent``: nothing more may go now
+
+    @classmethod
+    async def take(cls, pool: Any, kind: str, policy: batches.Policy, size: int, slots: int,
+                   shape: Shape | None = None) -> Look:
+        """Read the head (``HEAD_READ`` batches' worth a slot: jobs of several keys interleave) and
+        form its batches (``gpuq.batches``)."""
+        limit = slots * size * HEAD_READ
+        head = await queue.batch_head(pool, kind, limit, shape)
+        go, due_in = batches.ready(batches.form(head, size, policy.max_cost), policy.max_wait_ms)
+        due_at = None if due_in is None else time.monotonic() + due_in / 1000
+        return cls(go[:slots], due_at, len(go) <= slots and len(head) < limit)
 
 
 async def lease_formed(pool: Any, config: ServerConfig, kind: str, sent: list[batches.Batch], slots: list[str],

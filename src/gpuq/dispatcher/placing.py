@@ -29,7 +29,7 @@ from typing import Any
 
 from gpuq import admin, batches, logs, metrics, placement, queue
 from gpuq.config import ServerConfig
-from gpuq.dispatcher.batching import HEAD_READ, lease_formed
+from gpuq.dispatcher.batching import Look, lease_formed
 from gpuq.dispatcher.roster import Roster
 from gpuq.dispatcher.sessions import AgentSession, Sessions
 from gpuq.dispatcher.tuning import Tuning
@@ -142,15 +142,13 @@ class Placing:
         ``max_batch`` jobs a statement); the jobs leased, and the slots it tried to fill."""
         size = min(policy.max_items, *(s.batch_items for s in agents if s.id in slots))
         slots = slots[:max(1, self.config.max_batch // size)]
-        head = await queue.batch_head(self.pool, shape.kind, len(slots) * size * HEAD_READ, shape)
-        go, due_in = batches.ready(batches.form(head, size, policy.max_cost), policy.max_wait_ms)
+        look = await Look.take(self.pool, shape.kind, policy, size, len(slots), shape)
         self._batch_due.pop(key, None)
-        if due_in is not None:
-            self._batch_due[key] = time.monotonic() + due_in / 1000
-        sent = go[:len(slots)]
-        if not sent:
+        if look.due_at is not None:
+            self._batch_due[key] = look.due_at
+        if not look.sent:
             return [], slots
-        return await lease_formed(self.pool, self.config, shape.kind, sent, slots, shape), slots
+        return await lease_formed(self.pool, self.config, shape.kind, look.sent, slots, shape), slots
 
     def _after_warm_wait(self, key: ShapeKey, shape: Shape, agents: Sessions,
                          slots: list[str]) -> list[str]:
