@@ -169,9 +169,8 @@ class LeasedJob:
     queued_ms: int | None = None  # how long it had been due when leased (the agent counts gaps by it)
     model: str | None = None  # placed jobs: the model it would rather find warm (the agent holds it while it runs)
     batch: int | None = None  # batched jobs: the batch's number (its jobs go in one handler call)
-    # The producer's trace (W3C; None: none), pushed to agents of protocol 8 (docs/design.md, "Tracing").
-    traceparent: str | None = None
-    tracestate: str | None = None
+    # The producer's trace (None: none), pushed to agents of protocol 8 (docs/design.md, "Tracing").
+    trace: TraceContext | None = None
 
     @property
     def payload(self) -> Any:

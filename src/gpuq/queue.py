@@ -196,7 +196,8 @@ def _placed_jobs(shape: Shape, rows: list[Any]) -> list[LeasedJob]:
 def _placed(shape: Shape, r: Any) -> LeasedJob:
     return LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
                      r["leased_by"], r["payload_json"], r["timeout_seconds"], shape.gpus, shape.gpu_memory_mb,
-                     r["queued_ms"], shape.model, traceparent=r["traceparent"], tracestate=r["tracestate"])
+                     r["queued_ms"], shape.model,
+                     trace=None if (tp := r["traceparent"]) is None else (tp, r["tracestate"]))
 
 
 # A limited lease reads at most this many of a keyed shape's next jobs looking
@@ -264,7 +265,7 @@ async def placed_pending(db: DB) -> dict[tuple[str, str], tuple[int, datetime]]:
 def _leased(r: Any) -> LeasedJob:
     return LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
                      r["leased_by"], r["payload_json"], r["timeout_seconds"], queued_ms=r.get("queued_ms"),
-                     traceparent=r["traceparent"], tracestate=r["tracestate"])
+                     trace=None if (tp := r["traceparent"]) is None else (tp, r["tracestate"]))
 
 
 # --------------------------------------------------------------------------

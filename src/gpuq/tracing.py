@@ -7,11 +7,12 @@ handler span (``agent/spans.py``) are its children, so one trace runs from the
 producer to the outcome. Always the W3C format, whatever propagator the
 application set: it is what the job stores and what the push carries.
 
-The import is tried once, here. Without OpenTelemetry, ``recording()`` and
-``active()`` are False at once and nothing else runs; with it but no tracer
-provider configured (the API's default), no span is made and nothing stored
-unless the caller's context holds a span (one propagated to it, say). Spans
-come from ``trace.get_tracer_provider()``, the application's.
+The import is tried once, here. Without OpenTelemetry, ``AVAILABLE``,
+``recording()`` and ``active()`` are False at once and nothing else runs;
+with it but no tracer provider configured (the API's default), no span is
+made and nothing stored unless the caller's context holds a span (one
+propagated to it, say). Spans come from ``trace.get_tracer_provider()``, the
+application's.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ SYSTEM = "gpuq"  # messaging.system on every span
 
 def recording() -> bool:
     """Whether spans are worth making: OpenTelemetry is installed and the application configured a
-    tracer provider (the SDK's), not the API's default that records nothing."""
+    tracer provider (the SDK's), not the API's default that records nothing. ~1 µs (the API
+    looks at the environment): asked for a job that carries a trace, not for every job."""
     if trace is None:
         return False
     return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider | trace.NoOpTracerProvider)
@@ -65,8 +67,9 @@ def current() -> TraceContext | None:
     return carrier["traceparent"], carrier.get("tracestate") or None
 
 
-def parent(traceparent: str, tracestate: str | None) -> Context:
+def parent(trace_context: TraceContext) -> Context:
     """The context a job's span starts in: its producer's span as the (remote) parent."""
+    traceparent, tracestate = trace_context
     carrier = {"traceparent": traceparent} if tracestate is None else {"traceparent": traceparent,
                                                                        "tracestate": tracestate}
     return _W3C.extract(carrier)  # type: ignore[union-attr]
@@ -77,10 +80,9 @@ def set_error(span: Any, description: str) -> None:
     span.set_status(Status(StatusCode.ERROR, description))
 
 
-def link(traceparent: str, tracestate: str | None, attributes: Mapping[str, Any]) -> Any:
+def link(trace_context: TraceContext, attributes: Mapping[str, Any]) -> Any:
     """A link to a job's producer span (a batch's span links each item's)."""
-    return trace.Link(trace.get_current_span(parent(traceparent, tracestate)).get_span_context(),
-                      dict(attributes))
+    return trace.Link(trace.get_current_span(parent(trace_context)).get_span_context(), dict(attributes))
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from gpuq import tracing
 from gpuq.agent import spans as agent_spans
 from gpuq.dispatcher import spans as server_spans
 from gpuq.jobs import FailOutcome, LeasedJob
-from gpuq.protocol import Done, Failed, Hello, JobMessage, Welcome, parse_server
+from gpuq.protocol import Done, Failed, Hello, JobMessage, ProtocolError, Welcome, parse_server
 from gpuq.protocol.agent_side import AgentProtocol
 from gpuq.protocol.frames import job_message
 from gpuq.protocol.server_side import ServerProtocol
@@ -25,8 +25,8 @@ STATE = 'congo=t61rcWkgMzE,rojo="00f067aa0ba902b7"'  # a quote: tracestate is en
 
 def leased(job_id: int, traceparent: str | None = PARENT, tracestate: str | None = STATE,
            queued_ms: int = 60_000) -> LeasedJob:
-    return LeasedJob(job_id, "embed", 1, 5, TOKEN, 0, "a#1", "{}", queued_ms=queued_ms, traceparent=traceparent,
-                     tracestate=tracestate)
+    return LeasedJob(job_id, "embed", 1, 5, TOKEN, 0, "a#1", "{}", queued_ms=queued_ms,
+                     trace=None if traceparent is None else (traceparent, tracestate))
 
 
 def pushed_to(version: int, jobs: list[LeasedJob]) -> list[dict]:
@@ -50,7 +50,7 @@ def test_a_version_8_agent_gets_the_trace_of_a_traced_job_and_parses_it_back():
     assert no_state["traceparent"] == PARENT and "tracestate" not in no_state
     frame = '{"type":"jobs","jobs":[' + job_message(2, TOKEN, "embed", "{}", 1, trace=(PARENT, STATE)) + "]}"
     [job] = parse_server(frame).jobs
-    assert (job.traceparent, job.tracestate) == (PARENT, STATE)
+    assert job.trace == (PARENT, STATE)
 
 
 def test_an_agent_before_version_8_gets_no_trace_fields():
@@ -58,9 +58,11 @@ def test_an_agent_before_version_8_gets_no_trace_fields():
     assert "traceparent" not in job and "tracestate" not in job
 
 
-def test_a_malformed_trace_from_the_server_is_refused():
-    frame = job_message(1, TOKEN, "embed", "{}", 1)[:-1] + ',"traceparent":7}'
-    with pytest.raises(Exception, match="traceparent"):
+@pytest.mark.parametrize("fields", ['"traceparent":7', '"traceparent":null', '"traceparent":""',
+                                    f'"traceparent":"{PARENT}","tracestate":"{"x" * 513}"'])
+def test_a_malformed_trace_from_the_server_is_refused(fields):
+    frame = job_message(1, TOKEN, "embed", "{}", 1)[:-1] + "," + fields + "}"
+    with pytest.raises(ProtocolError, match="trace"):
         parse_server('{"type":"jobs","jobs":[' + frame + "]}")
 
 
@@ -76,7 +78,8 @@ def agent_protocol() -> AgentProtocol:
 
 
 def job(job_id: int, traceparent: str | None = PARENT, batch: int | None = None, devices=()) -> JobMessage:
-    return JobMessage(job_id, TOKEN, "embed", {}, 2, devices=devices, batch=batch, traceparent=traceparent)
+    return JobMessage(job_id, TOKEN, "embed", {}, 2, devices=devices, batch=batch,
+                      trace=None if traceparent is None else (traceparent, None))
 
 
 def test_a_handler_runs_in_a_span_continuing_the_jobs_trace(spans):
@@ -179,6 +182,5 @@ def test_an_outcome_of_another_lease_or_a_forgotten_job_gets_no_span(spans):
 
 def test_without_a_tracer_provider_the_server_makes_no_span_and_holds_nothing():
     s = server_spans.ServerSpans()
-    assert s.lease_started() == 0
     s.leased([leased(1)], s.lease_started())
     assert s.write_started() == 0

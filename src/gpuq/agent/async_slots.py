@@ -57,7 +57,7 @@ class AsyncSlots(Slots):
     async def _run_job(self, job: Unit) -> None:
         """Run the handler under the job's timeout and record its outcome."""
         assert isinstance(job, Job)  # else it is ``batched``
-        handler = self.traced_handler if job.traceparent is not None and self.traced_handler else self.handler
+        handler = self.traced_handler if job.trace is not None and self.traced_handler else self.handler
         assert handler is not None
         limit = None if job.timeout is None else asyncio.timeout(job.timeout)
         try:

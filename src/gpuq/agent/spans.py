@@ -5,7 +5,7 @@ runs (the handler's own spans, and the jobs it enqueues, are its children).
 A batch runs in one span: its parent is the first traced item's producer span, and it links to
 every traced item's (one call, one span; each item's outcome is on the server's completion span).
 
-The slots call the ``traced`` handler only for a job with a trace (``job.traceparent``), and the
+The slots call the ``traced`` handler only for a job with a trace (``job.trace``), and the
 ``traced_batch`` one for every batch; without OpenTelemetry there are none (the slots call the
 handlers themselves), and with it but no tracer provider configured they call the handler after
 one test.
@@ -60,7 +60,7 @@ def traced_batch(get: Callable[[], BatchHandler | None], protocol: AgentProtocol
         async def run_async(jobs: list[Job]) -> Any:
             handler = get()
             assert handler is not None  # a batch comes only to an agent with a batch handler
-            if not tracing.recording() or all(j.traceparent is None for j in jobs):
+            if all(j.trace is None for j in jobs) or not tracing.recording():
                 return await handler(jobs)
             with _span(jobs, protocol):
                 return await handler(jobs)
@@ -69,7 +69,7 @@ def traced_batch(get: Callable[[], BatchHandler | None], protocol: AgentProtocol
     def run(jobs: list[Job]) -> Any:
         handler = get()
         assert handler is not None
-        if not tracing.recording() or all(j.traceparent is None for j in jobs):
+        if all(j.trace is None for j in jobs) or not tracing.recording():
             return handler(jobs)
         with _span(jobs, protocol):
             return handler(jobs)
@@ -80,13 +80,13 @@ def traced_batch(get: Callable[[], BatchHandler | None], protocol: AgentProtocol
 def _span(jobs: Sequence[Job], protocol: AgentProtocol) -> Iterator[None]:
     """The span of one handler call: a single job's, or a batch's (links to its items' traces).
     A handler stopped (its timeout, a cancel) ends it with an error status, as one that raised."""
-    traced = [j for j in jobs if j.traceparent is not None]
+    traced = [j for j in jobs if j.trace is not None]
     first = traced[0]
     batch = len(jobs) > 1 or first.batch is not None
     with tracing.tracer().start_as_current_span(
-            f"run {first.kind}", context=tracing.parent(first.traceparent, first.tracestate),  # type: ignore[arg-type]
+            f"run {first.kind}", context=tracing.parent(first.trace),  # type: ignore[arg-type]
             kind=tracing.SpanKind.CONSUMER, attributes=_attributes(jobs, protocol, batch),
-            links=[tracing.link(j.traceparent, j.tracestate, {"gpuq.job.id": j.id})  # type: ignore[arg-type]
+            links=[tracing.link(j.trace, {"gpuq.job.id": j.id})  # type: ignore[arg-type]
                    for j in traced] if batch else None) as span:
         try:
             yield

@@ -87,7 +87,7 @@ class ThreadSlots(Slots):
         return start, end
 
     def _call(self, job: Job, expired: list[bool]) -> None:
-        handler = self.traced_handler if job.traceparent is not None and self.traced_handler else self.handler
+        handler = self.traced_handler if job.trace is not None and self.traced_handler else self.handler
         assert handler is not None  # else the job is ``batched``
         try:
             result = handler(job)

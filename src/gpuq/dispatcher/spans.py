@@ -1,6 +1,6 @@
 """The server's spans of traced jobs (``gpuq[otel]``, docs/design.md "Tracing").
 
-A job that carries its producer's trace (``LeasedJob.traceparent``) gets two
+A job that carries its producer's trace (``LeasedJob.trace``) gets two
 spans here, children of its producer's span:
 
 - ``lease {kind}`` (consumer): from the moment the dispatcher asked for the
@@ -11,9 +11,10 @@ spans here, children of its producer's span:
   fencing refused it).
 
 Each has the job's id, kind and attempt and the agent (its ``leased_by``).
-Off (no OpenTelemetry, or no tracer provider configured) it costs one test per
-lease batch and per outcome flush, and holds nothing; on, the work is for the
-traced jobs only. Traced jobs are held from their lease to their outcome;
+Without OpenTelemetry it costs one test per lease batch and per outcome flush;
+installed, also a look at each leased job for a trace, and whether a tracer
+provider is configured is asked only for a batch that has one. Nothing is
+held, and no span made, unless one is. Traced jobs are held from their lease to their outcome;
 one that never reports here (released, reclaimed) is forgotten when its agent
 leaves, or with the rest once FOLLOWED are held (it only loses its
 completion span).
@@ -48,22 +49,23 @@ class ServerSpans:
         self._held: dict[int, _Held] = {}  # traced job id -> its lease
 
     def lease_started(self) -> int:
-        """When a lease begins (ns since the epoch); 0 while nothing records spans."""
-        return time.time_ns() if tracing.recording() else 0
+        """When a lease begins (ns since the epoch); 0 without OpenTelemetry."""
+        return time.time_ns() if tracing.AVAILABLE else 0
 
     def leased(self, jobs: Sequence[LeasedJob], started: int) -> None:
         """Jobs of a lease that began at ``started`` (``lease_started``) were pushed: a span for each
-        traced one, which is held for its completion span."""
+        traced one, which is held for its completion span, if a tracer provider records them
+        (asked only then: it costs more than a look at each job)."""
         if not started:
             return
-        traced = [j for j in jobs if j.traceparent is not None]
-        if not traced:
+        traced = [j for j in jobs if j.trace is not None]
+        if not traced or not tracing.recording():
             return
         tracer, now = tracing.tracer(), time.time_ns()
         if len(self._held) + len(traced) > FOLLOWED:
             self._held.clear()
         for j in traced:
-            parent = tracing.parent(j.traceparent, j.tracestate)  # type: ignore[arg-type]
+            parent = tracing.parent(j.trace)  # type: ignore[arg-type]
             attributes = {"messaging.system": tracing.SYSTEM, "gpuq.job.id": j.id, "gpuq.job.kind": j.kind,
                           "gpuq.job.attempt": j.attempt, "gpuq.agent": j.leased_by}
             span = tracer.start_span(f"lease {j.kind}", context=parent, kind=tracing.SpanKind.CONSUMER,

@@ -130,9 +130,12 @@ def batch_number(value: Any) -> int | None:
     return value
 
 
-def trace_text(value: Any, name: str) -> str | None:
-    """A pushed job's ``traceparent`` or ``tracestate``: None, or a string of 1-MAX_TRACESTATE characters."""
-    if value is not None and (type(value) is not str or not 0 < len(value) <= MAX_TRACESTATE):
+def trace_text(value: Any, name: str, optional: bool = False) -> Any:
+    """A pushed job's ``traceparent`` or (``optional``: None allowed) ``tracestate``: a string of
+    1-MAX_TRACESTATE characters."""
+    if value is None and optional:
+        return None
+    if type(value) is not str or not 0 < len(value) <= MAX_TRACESTATE:
         raise ValueError(f"job {name} must be a string of 1-{MAX_TRACESTATE} characters, not {str(value)[:40]!r}")
     return value
 

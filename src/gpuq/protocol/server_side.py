@@ -344,7 +344,7 @@ class ServerProtocol:
             pushed.extend(job_message(j.id, j.lease_token, j.kind, j.payload_json, j.attempt,
                                       getattr(j, "timeout_seconds", None), devices,
                                       getattr(j, "queued_ms", None) if queued else None, number,
-                                      _trace(j) if traced else None)
+                                      getattr(j, "trace", None) if traced else None)
                           for j in unit)
         if pushed:
             self._out.append(jobs_frame(pushed))
@@ -394,12 +394,6 @@ class ServerProtocol:
             self._close = (code, close_reason(reason))
         self.state = State.CLOSED
         self.ledger.stop()
-
-
-def _trace(job: Any) -> tuple[str, str | None] | None:
-    """The producer's trace a pushed job carries (protocol 8), if it has one."""
-    traceparent = getattr(job, "traceparent", None)
-    return None if traceparent is None else (traceparent, getattr(job, "tracestate", None))
 
 
 def close_reason(text: str) -> str:
