@@ -2,7 +2,9 @@
 handler spans (a batch's links, a stopped handler), the server's spans held from lease to outcome."""
 
 import asyncio
+import importlib
 import json
+import sys
 
 import pytest
 from opentelemetry import trace
@@ -184,3 +186,21 @@ def test_without_a_tracer_provider_the_server_makes_no_span_and_holds_nothing():
     s = server_spans.ServerSpans()
     s.leased([leased(1)], s.lease_started())
     assert s.write_started() == 0
+
+
+def test_without_opentelemetry_installed_nothing_is_asked_or_made(monkeypatch):
+    monkeypatch.setitem(sys.modules, "opentelemetry", None)  # its import fails, as when not installed
+    importlib.reload(tracing)
+    try:
+        assert not tracing.AVAILABLE and not tracing.recording() and not tracing.active()
+        assert tracing.current() is None
+        assert agent_spans.traced(lambda: print, agent_protocol(), is_async=False) is None  # the slots call it
+        assert agent_spans.traced_batch(lambda: print, agent_protocol(), is_async=True) is None
+        s = server_spans.ServerSpans()
+        assert s.lease_started() == 0
+        s.leased([leased(1)], s.lease_started())
+        assert s.write_started() == 0
+    finally:
+        monkeypatch.undo()
+        importlib.reload(tracing)
+    assert tracing.AVAILABLE
