@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import asyncpg
 import pytest
@@ -148,3 +149,26 @@ def bouncer(server_dsn: str) -> Iterator[Bouncer]:
         yield b
     finally:
         b.stop()
+
+
+@pytest.fixture
+def spans() -> Iterator[Any]:
+    """An OpenTelemetry SDK tracer provider set as the global one for this test, exporting to memory:
+    ``spans.get_finished_spans()``; unset again afterwards."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tests.helpers import reset_tracer_provider
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    reset_tracer_provider()
+    trace.set_tracer_provider(provider)
+    try:
+        yield exporter
+    finally:
+        reset_tracer_provider()
+        provider.shutdown()

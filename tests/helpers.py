@@ -165,3 +165,12 @@ def async_until_cancelled(stopped: Any) -> Any:
             raise
 
     return handle
+
+
+def reset_tracer_provider() -> None:
+    """OpenTelemetry's global tracer provider unset again (it may be set once per process; its own
+    tests reset these two globals the same way)."""
+    from opentelemetry import trace
+    from opentelemetry.util._once import Once
+
+    trace._TRACER_PROVIDER_SET_ONCE, trace._TRACER_PROVIDER = Once(), None

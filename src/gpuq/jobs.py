@@ -19,6 +19,8 @@ from gpuq.kinds import KIND_RULE, is_kind
 from gpuq.protocol.describe import LABEL_RULE, MODEL_RULE, is_label, is_model
 
 LIVE_STATES = ("pending", "leased", "scheduled")
+# A W3C trace context, (traceparent, tracestate or None): what a job carries of its producer's trace.
+TraceContext = tuple[str, str | None]
 LIST_STATES = ("pending", "leased", "scheduled", "done", "dead", "cancelled", "failed")  # failed: dead or cancelled
 
 
@@ -167,6 +169,8 @@ class LeasedJob:
     queued_ms: int | None = None  # how long it had been due when leased (the agent counts gaps by it)
     model: str | None = None  # placed jobs: the model it would rather find warm (the agent holds it while it runs)
     batch: int | None = None  # batched jobs: the batch's number (its jobs go in one handler call)
+    # The producer's trace (None: none), pushed to agents of protocol 8 (docs/design.md, "Tracing").
+    trace: TraceContext | None = None
 
     @property
     def payload(self) -> Any:

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
-from gpuq import admin, queue, wakeups
+from gpuq import admin, queue, tracing, wakeups
 from gpuq.db import (
     CONNECTION_LOST,
     LISTEN_PROBE_SECONDS,
@@ -72,8 +72,22 @@ async def enqueue(
 
 
 async def enqueue_many(db: DB | str, jobs: Sequence[NewJob]) -> list[int]:
-    """Enqueue many jobs in one statement (one NOTIFY); ids in input order."""
+    """Enqueue many jobs in one statement (one NOTIFY); ids in input order.
+
+    Called with an OpenTelemetry span active (``gpuq[otel]``), it runs in a
+    producer span whose trace every job carries to the server and the agent
+    (docs/design.md, "Tracing")."""
+    if tracing.active():
+        return await _enqueue_traced(db, jobs)
     return await _with(db, lambda c: queue.enqueue_many(c, jobs))
+
+
+async def _enqueue_traced(db: DB | str, jobs: Sequence[NewJob]) -> list[int]:
+    with tracing.enqueue_span([j.kind for j in jobs], len(jobs)) as (span, trace):
+        ids = await _with(db, lambda c: queue.enqueue_many(c, jobs, trace))
+        if len(ids) == 1:
+            span.set_attribute("gpuq.job.id", ids[0])
+        return ids
 
 
 async def cancel(db: DB | str, *job_ids: int) -> dict[int, str]:

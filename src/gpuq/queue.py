@@ -20,7 +20,16 @@ from typing import Any
 
 from gpuq.batches import Head
 from gpuq.db import bulk_timeout
-from gpuq.jobs import FailOutcome, JobBackoff, LeasedJob, LeaseResult, Moved, NewJob, Shape
+from gpuq.jobs import (
+    FailOutcome,
+    JobBackoff,
+    LeasedJob,
+    LeaseResult,
+    Moved,
+    NewJob,
+    Shape,
+    TraceContext,
+)
 from gpuq.plans import lease_args
 from gpuq.sql import DB, queries
 from gpuq.wakeups import notify, notify_cancel, notify_outcomes
@@ -34,7 +43,7 @@ DEFAULT_BACKOFF = JobBackoff()  # a failed job's retry delay unless the caller g
 # Rows arrive as parallel arrays: one round trip, one statement, one NOTIFY.
 # run_at is the given time, else now() + delay; a row whose run_at is in the
 # future starts 'scheduled' and the sweeper promotes it when due.
-def _columns(jobs: Sequence[NewJob]) -> tuple[list[Any] | None, ...]:
+def _columns(jobs: Sequence[NewJob], trace: TraceContext | None) -> tuple[list[Any] | str | None, ...]:
     plain = (
         [j.kind for j in jobs], [_jsonb_param(j.payload) for j in jobs], [j.priority for j in jobs],
         [j.max_attempts for j in jobs], [j.run_at for j in jobs],
@@ -47,11 +56,12 @@ def _columns(jobs: Sequence[NewJob]) -> tuple[list[Any] | None, ...]:
         [j.concurrency_key for j in jobs])
     batching = (None, None) if not any(j.cost is not None or j.batch_key is not None for j in jobs) else (
         [j.cost for j in jobs], [j.batch_key for j in jobs])
-    return (*plain, *placed, *batching)
+    return (*plain, *placed, *batching, *(trace or (None, None)))
 
 
-async def enqueue_many(db: DB, jobs: Sequence[NewJob]) -> list[int]:
-    """Insert jobs; return their ids in input order.
+async def enqueue_many(db: DB, jobs: Sequence[NewJob], trace: TraceContext | None = None) -> list[int]:
+    """Insert jobs; return their ids in input order. ``trace``: the producer's (``gpuq.tracing``),
+    stored with every one of them (None: none).
 
     Deduplication: a job whose ``dedup_key`` matches a live (pending, leased
     or scheduled) job is *not* inserted, and its slot gets the id of that
@@ -61,12 +71,12 @@ async def enqueue_many(db: DB, jobs: Sequence[NewJob]) -> list[int]:
         return []
     keyed = [i for i, j in enumerate(jobs) if j.dedup_key is not None]
     if not keyed:
-        rows = await db.fetch(queries["enqueue_plain"], *_columns(jobs), timeout=bulk_timeout(len(jobs)))
+        rows = await db.fetch(queries["enqueue_plain"], *_columns(jobs, trace), timeout=bulk_timeout(len(jobs)))
         return [r["id"] for r in rows]
     ids: list[int] = [0] * len(jobs)
     plain = [i for i, j in enumerate(jobs) if j.dedup_key is None]
     if plain:
-        rows = await db.fetch(queries["enqueue_plain"], *_columns([jobs[i] for i in plain]),
+        rows = await db.fetch(queries["enqueue_plain"], *_columns([jobs[i] for i in plain], trace),
                               timeout=bulk_timeout(len(plain)))
         for i, r in zip(plain, rows, strict=True):
             ids[i] = r["id"]
@@ -75,16 +85,16 @@ async def enqueue_many(db: DB, jobs: Sequence[NewJob]) -> list[int]:
     for i in keyed:
         first.setdefault(jobs[i].dedup_key, i)  # type: ignore[arg-type]
     unique = list(first.values())
-    got = await _enqueue_dedup(db, [jobs[i] for i in unique])
+    got = await _enqueue_dedup(db, [jobs[i] for i in unique], trace)
     by_key = {jobs[i].dedup_key: job_id for i, job_id in zip(unique, got, strict=True)}
     for i in keyed:
         ids[i] = by_key[jobs[i].dedup_key]
     return ids
 
 
-async def _enqueue_dedup(db: DB, jobs: Sequence[NewJob]) -> list[int]:
+async def _enqueue_dedup(db: DB, jobs: Sequence[NewJob], trace: TraceContext | None) -> list[int]:
     for _ in range(5):
-        rows = await db.fetch(queries["enqueue_dedup"], *_columns(jobs), timeout=bulk_timeout(len(jobs)))
+        rows = await db.fetch(queries["enqueue_dedup"], *_columns(jobs, trace), timeout=bulk_timeout(len(jobs)))
         ids = [r["id"] for r in rows]
         if None not in ids:
             return ids
@@ -186,7 +196,8 @@ def _placed_jobs(shape: Shape, rows: list[Any]) -> list[LeasedJob]:
 def _placed(shape: Shape, r: Any) -> LeasedJob:
     return LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
                      r["leased_by"], r["payload_json"], r["timeout_seconds"], shape.gpus, shape.gpu_memory_mb,
-                     r["queued_ms"], shape.model)
+                     r["queued_ms"], shape.model,
+                     trace=None if (tp := r["traceparent"]) is None else (tp, r["tracestate"]))
 
 
 # A limited lease reads at most this many of a keyed shape's next jobs looking
@@ -253,7 +264,8 @@ async def placed_pending(db: DB) -> dict[tuple[str, str], tuple[int, datetime]]:
 
 def _leased(r: Any) -> LeasedJob:
     return LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
-                     r["leased_by"], r["payload_json"], r["timeout_seconds"], queued_ms=r.get("queued_ms"))
+                     r["leased_by"], r["payload_json"], r["timeout_seconds"], queued_ms=r.get("queued_ms"),
+                     trace=None if (tp := r["traceparent"]) is None else (tp, r["tracestate"]))
 
 
 # --------------------------------------------------------------------------

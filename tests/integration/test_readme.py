@@ -2,6 +2,7 @@
 
 import ast
 import inspect
+import io
 import re
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from gpuq import admin
 from gpuq.harness import running_server
 from gpuq.jobs import NewJob
 from gpuq.producer import enqueue_many
-from tests.helpers import wait_for, wait_status
+from tests.helpers import reset_tracer_provider, wait_for, wait_status
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 RUN_LINE = "asyncio.run(agent.run_until_signal())"
@@ -140,3 +141,19 @@ async def test_the_testing_example_tests_a_handler_with_no_server_and_no_databas
     assert len(tests) == 4
     for test in tests.values():  # the README's own asserts; a sync one outside this event loop
         await (test() if inspect.iscoroutinefunction(test) else anyio.to_thread.run_sync(test))
+
+
+async def test_the_tracing_example_stores_the_trace_of_its_span(pool):
+    [example] = [b for b in blocks("python") if "set_tracer_provider" in b]
+    assert "ConsoleSpanExporter()" in example
+    namespace = {"pool": pool, "out": io.StringIO()}  # the exporter's default stdout is the one at its import
+    reset_tracer_provider()
+    try:
+        await run_python(example.replace("ConsoleSpanExporter()", "ConsoleSpanExporter(out=out)"), namespace)
+        namespace["provider"].shutdown()  # exports what the batch processor holds
+    finally:
+        reset_tracer_provider()
+    printed = namespace["out"].getvalue()
+    assert '"name": "enqueue embed"' in printed and '"name": "handle request"' in printed
+    traceparent = await pool.fetchval("SELECT traceparent FROM gpuq.jobs WHERE id = $1", namespace["job_id"])
+    assert f'"trace_id": "0x{traceparent[3:35]}"' in printed

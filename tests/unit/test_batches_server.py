@@ -34,11 +34,12 @@ GPUS = (Device(0, "H100", 81920), Device(1, "H100", 81920))
 # -- the wire ---------------------------------------------------------------
 
 
-def test_version_7_is_spoken_and_its_hello_carries_batch():
-    assert PROTOCOL_VERSION == BATCH_SINCE == 7
-    hello = Hello("a", ("embed",), 2, batch=64)
+@pytest.mark.parametrize("version", [7, 8])
+def test_a_hello_from_version_7_on_carries_batch(version):
+    assert BATCH_SINCE == 7 and PROTOCOL_VERSION >= 8
+    hello = Hello("a", ("embed",), 2, version, batch=64)
     body = json.loads(encode(hello))
-    assert body["batch"] == 64 and body["protocol"] == 7
+    assert body["batch"] == 64 and body["protocol"] == version
     assert parse_client(encode(hello), 1 << 20) == hello
 
 

@@ -36,9 +36,14 @@ Outcomes go to the server in ``results`` frames, as many as are ready at
 once; they are kept until the server acknowledges them (after its commit)
 and sent again after a reconnect; fencing makes a resent result harmless.
 
+Traces (``gpuq[otel]``, protocol 8): a job enqueued while an OpenTelemetry
+span was active runs inside a span that continues that trace (``spans``),
+current while the handler runs, when the agent's process has a tracer provider.
+
 Modules: ``connection`` (the websocket loop, ``Agent``), ``slots``,
 ``async_slots``, ``thread_slots`` (running pushed jobs in slots), ``handlers``
-(the handler's contract, ``load_handler``), ``process`` (``run_process``).
+(the handler's contract, ``load_handler``), ``process`` (``run_process``),
+``spans`` (the handler's span).
 ``import gpuq.agent`` loads nothing of the database side: agents run on GPU
 boxes that need only websockets.
 """

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+from gpuq.agent import spans
 from gpuq.agent.batches import batch_jobs, record_raised, record_returned
 from gpuq.agent.handlers import CANCELLED_ERROR, TIMEOUT_ERROR, Job, PermanentError, summary
 from gpuq.agent.slots import Slots
@@ -20,6 +21,9 @@ class AsyncSlots(Slots):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._tasks: dict[int, asyncio.Task[None]] = {}  # job id -> its slot's task
+        # The handlers inside a span, for jobs that carry a trace (None without OpenTelemetry).
+        self.traced_handler = spans.traced(lambda: self.handler, self.protocol, is_async=True)
+        self.traced_batch_handler = spans.traced_batch(lambda: self.batch_handler, self.protocol, is_async=True)
 
     async def run_slot(self, job: Unit | None) -> None:
         """Run ``job``, then at once each ready job the protocol gives this slot, all in this one
@@ -52,8 +56,9 @@ class AsyncSlots(Slots):
 
     async def _run_job(self, job: Unit) -> None:
         """Run the handler under the job's timeout and record its outcome."""
-        handler = self.handler
-        assert handler is not None and isinstance(job, Job)  # else it is ``batched``
+        assert isinstance(job, Job)  # else it is ``batched``
+        handler = self.traced_handler if job.trace is not None and self.traced_handler else self.handler
+        assert handler is not None
         limit = None if job.timeout is None else asyncio.timeout(job.timeout)
         try:
             if limit is None:  # no timeout context: it cost a tenth of the agent's CPU on no-op jobs
@@ -81,7 +86,7 @@ class AsyncSlots(Slots):
 
     async def _run_batch(self, unit: Unit) -> None:
         """Call the batch handler under the batch's timeout and record each item's outcome."""
-        jobs, handler = batch_jobs(unit), self.batch_handler
+        jobs, handler = batch_jobs(unit), self.traced_batch_handler or self.batch_handler
         assert handler is not None  # a batch comes only to an agent with a batch handler
         limit = None if unit.timeout is None else asyncio.timeout(unit.timeout)
         try:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from gpuq import protocol
+from gpuq.agent import spans
 from gpuq.agent.batches import batch_jobs, record_raised, record_returned
 from gpuq.agent.handlers import TIMEOUT_ERROR, Job, PermanentError, summary
 from gpuq.agent.slots import Slots
@@ -25,6 +26,9 @@ class ThreadSlots(Slots):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._session_over = threading.Event()  # set as the session ends: slots stop taking jobs
+        # The handlers inside a span, for jobs that carry a trace (None without OpenTelemetry).
+        self.traced_handler = spans.traced(lambda: self.handler, self.protocol, is_async=False)
+        self.traced_batch_handler = spans.traced_batch(lambda: self.batch_handler, self.protocol, is_async=False)
 
     def session_started(self, tg: TaskGroup) -> None:
         super().session_started(tg)
@@ -83,9 +87,10 @@ class ThreadSlots(Slots):
         return start, end
 
     def _call(self, job: Job, expired: list[bool]) -> None:
-        assert self.handler is not None  # else the job is ``batched``
+        handler = self.traced_handler if job.trace is not None and self.traced_handler else self.handler
+        assert handler is not None  # else the job is ``batched``
         try:
-            result = self.handler(job)
+            result = handler(job)
         except PermanentError as exc:
             self.protocol.job_failed(job, summary(exc), retryable=False)
         except Exception as exc:  # the handler's failure is the job's, not ours
@@ -98,9 +103,10 @@ class ThreadSlots(Slots):
 
     def _call_batch(self, jobs: list[Job], expired: list[bool]) -> None:
         """Past the timeout every item fails ``timeout``, whether the handler returned or raised."""
-        assert self.batch_handler is not None  # a batch comes only to an agent with a batch handler
+        handler = self.traced_batch_handler or self.batch_handler
+        assert handler is not None  # a batch comes only to an agent with a batch handler
         try:
-            returned = self.batch_handler(jobs)
+            returned = handler(jobs)
         except Exception as exc:  # the handler's failure is its items', not ours
             if not expired:
                 record_raised(self.protocol, jobs, exc)

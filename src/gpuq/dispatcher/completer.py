@@ -18,6 +18,7 @@ import anyio
 import asyncpg
 
 from gpuq import logs, metrics, queue
+from gpuq.dispatcher.spans import ServerSpans
 from gpuq.dispatcher.writer import Writer
 from gpuq.jobs import FailOutcome, JobBackoff
 from gpuq.latency import JobLatency
@@ -45,13 +46,15 @@ class Completer(Writer):
     failed_event = "results.flush_failed"
 
     def __init__(self, pool: Any, backoff: JobBackoff, on_written: Callable[[], None] | None = None,
-                 latency: JobLatency | None = None, on_released: Callable[[Session], None] | None = None):
+                 latency: JobLatency | None = None, on_released: Callable[[Session], None] | None = None,
+                 spans: ServerSpans | None = None):
         super().__init__()
         self.pool = pool
         self.backoff = backoff
         self.on_written = on_written  # after each commit of outcomes (limits may have room again)
         self.on_released = on_released  # after an agent's unstarted jobs are pending again
         self.latency = latency  # told which jobs ended (completion latency)
+        self.spans = spans  # told which outcomes were written, and when (traced jobs' completion spans)
         # Outcomes waiting for the database (add them with submit(), release()).
         self.done: list[tuple[Session, Done, str]] = []
         self.failed: list[tuple[Session, Failed, str]] = []
@@ -126,6 +129,7 @@ class Completer(Writer):
             await self._release_unstarted(given)
             del self.unstarted[:len(given)]
         done, failed, orphans = self.done[:1000], self.failed[:1000], self.orphans[:1000]
+        started = self.spans.write_started() if self.spans is not None else 0
         accepted: set[int] = set()
         outcomes: dict[int, FailOutcome] = {}
         if done:
@@ -141,6 +145,8 @@ class Completer(Writer):
             self.on_written()
         if self.latency is not None:
             self.latency.finished(accepted, outcomes)
+        if self.spans is not None and started:
+            self.spans.finished(started, (m for _, m, _ in done), (f for _, f, _ in failed), accepted, outcomes)
         acks: dict[Session, tuple[list[int], list[int]]] = {}
         done_kinds: Counter[str | None] = Counter()
         for session, m, kind in done:

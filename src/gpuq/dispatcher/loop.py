@@ -26,6 +26,7 @@ from gpuq.dispatcher.placing import Placing
 from gpuq.dispatcher.progress import ProgressWriter
 from gpuq.dispatcher.roster import Roster
 from gpuq.dispatcher.sessions import AgentSession, Sessions, group_kinds
+from gpuq.dispatcher.spans import ServerSpans
 from gpuq.dispatcher.trigger import LeaseTrigger, Pass
 from gpuq.dispatcher.tuning import TUNING_DEFAULT, Tuning
 from gpuq.jobs import JobBackoff, LeasedJob
@@ -42,8 +43,9 @@ class Dispatcher:
         self.pool, self.config, self.tuning, self.stopping = pool, config, tuning, False
         self.sessions = Sessions()
         self.latency = JobLatency(enabled=False)  # the dashboard turns it on
+        self.spans = ServerSpans()  # traced jobs' lease and completion spans (gpuq[otel])
         self.completer = Completer(pool, backoff or JobBackoff(), on_written=self._outcomes_written, latency=self.latency,
-                                   on_released=self._credit_freed)
+                                   on_released=self._credit_freed, spans=self.spans)
         self.progress = ProgressWriter(pool, tuning.progress_write_seconds)
         self.heartbeats = Heartbeats(pool, config.lease_seconds, on_lost=self.sessions.cancel_on)
         self.trigger = LeaseTrigger(pool, config, tuning, on_kind=self._announced, on_cancel=self.sessions.cancel_running)
@@ -97,6 +99,7 @@ class Dispatcher:
         log.info("agent.disconnected", agent=session.id, released=len(released),
                  inflight=len(session.inflight))
         self.progress.forget(session.inflight)
+        self.spans.forget(session.inflight)
         session.inflight.clear()
 
     def submit(self, session: AgentSession, outcomes: Iterable[tuple[Done | Failed, str]], freed: int) -> None:
@@ -200,10 +203,13 @@ class Dispatcher:
                                                    self.batching.policies))
 
     async def _deliver_all(self, batches: AsyncIterator[list[LeasedJob]]) -> None:
+        started = self.spans.lease_started()
         async for jobs in batches:
             if jobs:
                 self.trigger.found_work()
             self._deliver(jobs)
+            self.spans.leased(jobs, started)
+            started = self.spans.lease_started()
 
     def _deliver(self, jobs: list[LeasedJob]) -> None:
         by_session: dict[str, list[LeasedJob]] = {}

@@ -89,6 +89,7 @@ class AgentProtocol:
     def __init__(self, hello: Hello, clock: Callable[[], float] = time.monotonic):
         parse_client(encode(hello), 1 << 20)  # the server's rules, checked before connecting
         self.hello = hello
+        self.agent_id: str | None = None  # this connection's id, from its welcome (the jobs' leased_by)
         self.clock = clock
         self.slots: SlotClock | None = None  # this connection's count (version 6)
         self.state = State.DISCONNECTED
@@ -143,7 +144,7 @@ class AgentProtocol:
         if self.state is State.AWAITING_WELCOME:
             if not isinstance(msg, Welcome):
                 raise ProtocolError(ErrorCode.UNEXPECTED, f"expected welcome, got {msg}")
-            self.state, self.max_frame = State.OPEN, msg.max_payload
+            self.state, self.max_frame, self.agent_id = State.OPEN, msg.max_payload, msg.agent_id
             self._speaks_started = msg.protocol >= PREFETCH_SINCE
             self._max_batch = self.hello.batch if msg.protocol >= BATCH_SINCE else 0
             self.slots = None

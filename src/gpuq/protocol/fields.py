@@ -2,7 +2,7 @@
 
 The protocol's one JSON decoder and encoder live here, with the strict
 checks of a single value (a job id, a lease token, a list of ids, a job's
-timeout, devices, ``queued_ms`` and ``batch``, U+0000 in a JSON value) and of a
+timeout, devices, ``queued_ms``, ``batch`` and its trace, U+0000 in a JSON value) and of a
 progress update's values, which both the parser and ``progress_item`` (the
 encoder ``JobMessage.progress`` uses) apply. A bad value is a
 ``ProtocolError`` (``bad_message``) or, where noted, a ``ValueError`` that
@@ -21,6 +21,7 @@ from gpuq.protocol.codes import (
     MAX_JOB_ID,
     MAX_PROGRESS_DATA,
     MAX_PROGRESS_MESSAGE,
+    MAX_TRACESTATE,
     ErrorCode,
     ProtocolError,
 )
@@ -126,6 +127,16 @@ def queued(value: Any) -> int | None:
 def batch_number(value: Any) -> int | None:
     if value is not None and (type(value) is not int or not 0 < value <= MAX_JOB_ID):
         raise ValueError(f"job batch must be a positive integer, not {str(value)[:40]!r}")
+    return value
+
+
+def trace_text(value: Any, name: str, optional: bool = False) -> Any:
+    """A pushed job's ``traceparent`` or (``optional``: None allowed) ``tracestate``: a string of
+    1-MAX_TRACESTATE characters."""
+    if value is None and optional:
+        return None
+    if type(value) is not str or not 0 < len(value) <= MAX_TRACESTATE:
+        raise ValueError(f"job {name} must be a string of 1-{MAX_TRACESTATE} characters, not {str(value)[:40]!r}")
     return value
 
 

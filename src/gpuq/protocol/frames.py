@@ -132,13 +132,15 @@ def jobs_frame(messages: list[str]) -> str:
 
 def job_message(job_id: int, lease_token: str, kind: str, payload_json: str, attempt: int,
                 timeout: int | None = None, devices: tuple[int, ...] = (), queued_ms: int | None = None,
-                batch: int | None = None) -> str:
+                batch: int | None = None, trace: tuple[str, str | None] | None = None) -> str:
     """One pushed job, as JSON, around a payload that is JSON text already (from PostgreSQL).
 
     Spliced, not encoded: the lease token is PostgreSQL's uuid text and the
     kind matches the table's CHECK (``gpuq.kinds``: letters, digits, ``_.:/-``), so
-    neither needs escaping. Spliced here rather than built by the lease statement
-    (json_build_object): see docs/design.md, "The push".
+    neither needs escaping; so does a ``traceparent`` (the table's CHECK: hex and
+    dashes) of ``trace``, the producer's; its ``tracestate`` is encoded.
+    Spliced here rather than built by the lease statement (json_build_object):
+    see docs/design.md, "The push".
     """
     limit = "" if timeout is None else f',"timeout":{timeout:d}'
     if devices:
@@ -147,5 +149,9 @@ def job_message(job_id: int, lease_token: str, kind: str, payload_json: str, att
         limit += f',"queued_ms":{max(0, queued_ms):d}'
     if batch is not None:
         limit += f',"batch":{batch:d}'
+    if trace is not None:
+        limit += f',"traceparent":"{trace[0]}"'
+        if trace[1] is not None:
+            limit += ',"tracestate":' + to_json(trace[1])
     return (f'{{"id":{job_id:d},"lease_token":"{lease_token}","kind":"{kind}","payload":{payload_json},'
             f'"attempt":{attempt:d}{limit}}}')

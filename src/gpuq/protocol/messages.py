@@ -162,6 +162,9 @@ class JobMessage:
     devices: tuple[int, ...] = ()  # the device indices this job was given (protocol 4; GPU jobs only)
     queued_ms: int | None = None  # how long it had been due when leased (protocol 6)
     batch: int | None = None  # protocol 7: the batch it runs in (one handler call), numbered per connection
+    # Protocol 8: the producer's trace, (traceparent, tracestate or None), when it had one: the
+    # handler's span continues it.
+    trace: tuple[str, str | None] | None = None
     cancelled: bool = field(default=False, compare=False)
     # Where progress() sends an encoded update (the agent sets it); None: nowhere.
     reporter: Callable[[int, str], None] | None = field(default=None, compare=False, repr=False)

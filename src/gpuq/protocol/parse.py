@@ -47,6 +47,7 @@ from gpuq.protocol.fields import (
     queued,
     timeout,
     token,
+    trace_text,
 )
 from gpuq.protocol.slots import slots_from
 
@@ -218,7 +219,7 @@ def parse_server(frame: str | bytes) -> m.ServerMessage:
             return m.Jobs(tuple(m.JobMessage(job_id(j["id"]), token(j["lease_token"]), str(j["kind"]),
                                              j["payload"], int(j["attempt"]), timeout(j.get("timeout")),
                                              device_indices(j.get("devices")), queued(j.get("queued_ms")),
-                                             batch_number(j.get("batch")))
+                                             batch_number(j.get("batch")), _trace(j) if "traceparent" in j else None)
                                 for j in obj["jobs"]))
         if kind == "ack":
             return m.Ack(tuple(job_id(i) for i in obj["accepted"]), tuple(job_id(i) for i in obj["rejected"]))
@@ -234,4 +235,9 @@ def parse_server(frame: str | bytes) -> m.ServerMessage:
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(BAD_MESSAGE, f"malformed {kind} message from the server: {exc}") from None
     raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r} from the server")
+
+
+def _trace(job: dict[str, Any]) -> tuple[str, str | None]:
+    """A pushed job's trace (protocol 8): its ``traceparent``, and ``tracestate`` if any."""
+    return trace_text(job["traceparent"], "traceparent"), trace_text(job.get("tracestate"), "tracestate", True)
 

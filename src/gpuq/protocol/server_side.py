@@ -17,7 +17,7 @@ every rule of the connection lives here:
   connection closes; an outcome is settled in it by its lease token;
 - a heartbeat only for jobs this connection holds (``not_held``);
 - the connection speaks the agent's version (any of ``SUPPORTED_VERSIONS``,
-  1 to 7); a message of a later version than the connection's is refused
+  1 to 8); a message of a later version than the connection's is refused
   (``unexpected``); ``cancel`` messages go only to agents of version 2 or
   later and only name jobs the connection holds;
 - ``progress`` (version 3) counts only for jobs held with that lease token;
@@ -35,6 +35,8 @@ every rule of the connection lives here:
   job (``ledger.hold_batch``), only to an agent whose hello takes batches that
   large; anything else about a batch (``started``, outcomes, ``release``,
   ``cancel``) is per item, as for any job.
+- version 8: a pushed job carries its producer's trace (``traceparent``, and
+  ``tracestate`` if any) when it has one; never before version 8.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from gpuq.protocol.codes import (
     PREFETCH_SINCE,
     PROGRESS_SINCE,
     SLOTS_SINCE,
+    TRACE_SINCE,
     CloseCode,
     ErrorCode,
     ProtocolError,
@@ -331,7 +334,7 @@ class ServerProtocol:
         pushed (the caller gives them back): no devices for them, or a batch this agent cannot take."""
         pushed: list[str] = []
         refused: list[Any] = []
-        queued = self.version >= SLOTS_SINCE
+        queued, traced = self.version >= SLOTS_SINCE, self.version >= TRACE_SINCE
         for unit in group(jobs):
             held = self._hold(unit)
             if held is None:
@@ -340,7 +343,8 @@ class ServerProtocol:
             devices, number = held
             pushed.extend(job_message(j.id, j.lease_token, j.kind, j.payload_json, j.attempt,
                                       getattr(j, "timeout_seconds", None), devices,
-                                      getattr(j, "queued_ms", None) if queued else None, number)
+                                      getattr(j, "queued_ms", None) if queued else None, number,
+                                      getattr(j, "trace", None) if traced else None)
                           for j in unit)
         if pushed:
             self._out.append(jobs_frame(pushed))

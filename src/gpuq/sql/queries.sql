@@ -14,13 +14,13 @@
 -- * Locked rows are updated by ctid: no primary-key descent per row.
 
 -- name: enqueue_plain
--- Insert jobs from parallel arrays, in input order (placement arrays $9-$13 NULL: none; batching arrays $14-$15 NULL: none); returns their ids in that order.
+-- Insert jobs from parallel arrays, in input order (placement arrays $9-$13 NULL: none; batching arrays $14-$15 NULL: none), every one with the producer's trace $16, $17 (NULL: none); returns their ids in that order.
 INSERT INTO gpuq.jobs (kind, payload, priority, max_attempts, run_at, status, timeout_seconds,
-                       gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key)
+                       gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, traceparent, tracestate)
 SELECT kind, payload, priority, max_attempts, run_at,
        CASE WHEN run_at > now() THEN 'scheduled'::gpuq.job_status ELSE 'pending' END, timeout_seconds,
        coalesce(gpus, 0), gpu_memory_mb, coalesce(string_to_array(labels, ','), '{}'), model, concurrency_key,
-       cost, batch_key
+       cost, batch_key, $16::text, $17::text
 FROM (
     SELECT kind, coalesce(payload::jsonb, '{}'::jsonb) AS payload, priority, max_attempts,
            coalesce(run_at, now() + make_interval(secs => delay)) AS run_at, timeout_seconds,
@@ -35,7 +35,7 @@ ORDER BY ord
 RETURNING id;
 
 -- name: enqueue_dedup
--- Insert jobs with distinct dedup keys; a key with a live job gets that job's id (NULL if it committed after our snapshot).
+-- Insert jobs with distinct dedup keys, with the producer's trace $16, $17 (NULL: none); a key with a live job gets that job's id (NULL if it committed after our snapshot).
 WITH input AS (
     SELECT kind, coalesce(payload::jsonb, '{}'::jsonb) AS payload, priority, max_attempts,
            coalesce(run_at, now() + make_interval(secs => delay)) AS run_at, dedup_key, timeout_seconds,
@@ -47,11 +47,12 @@ WITH input AS (
                              gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, ord)
 ), ins AS (
     INSERT INTO gpuq.jobs (kind, payload, priority, max_attempts, run_at, status, dedup_key, timeout_seconds,
-                           gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key)
+                           gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key,
+                           traceparent, tracestate)
     SELECT kind, payload, priority, max_attempts, run_at,
            CASE WHEN run_at > now() THEN 'scheduled'::gpuq.job_status ELSE 'pending' END, dedup_key,
            timeout_seconds, coalesce(gpus, 0), gpu_memory_mb, coalesce(string_to_array(labels, ','), '{}'),
-           model, concurrency_key, cost, batch_key
+           model, concurrency_key, cost, batch_key, $16::text, $17::text
     FROM input ORDER BY ord
     ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL AND status IN ('pending', 'leased', 'scheduled')
     DO NOTHING
@@ -120,7 +121,8 @@ WHERE j.ctid = a.ctid
 RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token,
           j.priority, j.leased_by, j.payload::text AS payload_json, j.status, a.phase, a.slot,
           coalesce(j.timeout_seconds, a.default_timeout) AS timeout_seconds,
-          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms;  -- how long it was due
+          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms,  -- how long it was due
+          j.traceparent, j.tracestate;
 
 -- name: lease_placed
 -- Lease up to cardinality($3) pending jobs of kind $1 (not paused, no limit) and placement shape $2, by priority and id, none under a limited key; the i-th goes to slot $3[i].
@@ -151,7 +153,7 @@ WHERE j.ctid = p.ctid
 RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token, j.priority, j.leased_by,
           j.payload::text AS payload_json, s.slot,
           coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds,
-          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms;
+          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.traceparent, j.tracestate;
 
 -- name: limits_lock
 -- Taken before lease_limited, in its transaction: limited leases run one at a time across dispatchers, each counting the last one's.
@@ -203,7 +205,7 @@ WHERE j.ctid = p.ctid
 RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token, j.priority, j.leased_by,
           j.payload::text AS payload_json, s.slot,
           coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds,
-          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms;
+          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.traceparent, j.tracestate;
 
 -- name: limit_set
 -- At most $3 jobs leased at once under scope $1 ('kind' or 'key') and name $2 (NULL: no limit); wakes the dispatchers.
@@ -291,7 +293,7 @@ WHERE j.ctid = p.ctid
 RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token, j.priority, j.leased_by,
           j.payload::text AS payload_json,
           coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds,
-          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms;
+          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.traceparent, j.tracestate;
 
 -- name: placed_head
 -- Seconds the next pending job of kind $1 and shape $2 has been due (jobs_placed_idx; no row: none pending).
@@ -506,7 +508,8 @@ SELECT id, was FROM gpuq.cancel($1::bigint[]);
 SELECT id, kind, status::text AS status, priority, attempts, max_attempts, payload::text AS payload,
        result::text AS result, last_error, leased_by, lease_expires_at, run_at, created_at, started_at,
        finished_at, dedup_key, timeout_seconds, deadline_at, progress::text AS progress,
-       gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, batch_id, batch_size
+       gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, batch_id, batch_size,
+       traceparent, tracestate
 FROM gpuq.jobs WHERE id = $1;
 
 -- name: job_attempts
