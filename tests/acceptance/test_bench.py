@@ -125,8 +125,8 @@ def test_batching_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> N
                     "--unbatched-jobs", "20", "--max-items", "16", "--open-jobs", "4", "--rates", "100",
                     "--fixed-ms", "2")
     assert {"batched_jobs_per_s", "unbatched_jobs_per_s", "speedup", "ideal_jobs_per_s", "ideal_fraction",
-            "ceiling_jobs_per_s", "ceiling_fraction", "open_loop", "poison_extra_attempts", "cancelled_ran",
-            "cost_violations", "lost"} <= got.keys()
+            "ceiling_jobs_per_s", "noop_jobs_per_s", "ceiling_fraction", "batched_mean_items", "cpu_us_per_job",
+            "open_loop", "poison_extra_attempts", "cancelled_ran", "cost_violations", "lost"} <= got.keys()
     assert (got["poison_extra_attempts"], got["cancelled_ran"], got["cost_violations"], got["lost"]) == (0, 0, 0, 0)
     assert set(got["open_loop"]["100"]) == {"batched", "unbatched"}
 

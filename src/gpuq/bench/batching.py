@@ -14,9 +14,10 @@ the batches with a long item; the others fill to ``--max-items``
   ``--unbatched-jobs`` with no policy (one call per job): ``batched_jobs_per_s``,
   ``unbatched_jobs_per_s``, their ``speedup``; ``ideal_jobs_per_s`` (every slot
   always running a full batch) and ``ideal_fraction``; the dispatcher's own
-  ceiling, the same batched run with a handler that returns at once
-  (``ceiling_jobs_per_s``, ``ceiling_fraction``: batched over the lower of the
-  two). In the batched run 1 % of the items are poison (their entry is an
+  ceiling for these jobs, the same batched run (same costs, poison, cancels)
+  with a handler that returns at once (``ceiling_jobs_per_s``,
+  ``ceiling_fraction``: batched over the lower of the two), and its best case,
+  full batches of one-field jobs (``noop_jobs_per_s``). In the batched run 1 % of the items are poison (their entry is an
   exception: ``poison_extra_attempts`` counts extra attempts of the good items,
   must be 0), 1 % are cancelled while queued (``cancelled_ran``: how many of
   them were still leased, must be 0), and ``cost_violations`` counts batches
@@ -107,8 +108,8 @@ async def closed_loop(conn: Any, fleet: Fleet, a: argparse.Namespace, meter: Cal
     common.progress(f"closed loop, batched: {a.jobs:,} jobs at {a.max_items} a batch")
     rng = random.Random(1)
     cost = {"fixed_ms": a.fixed_ms, "per_item_ms": a.per_item_ms}
-    specs = [{"cost": rng.randint(4096, 12288) if i % 100 == 25 else rng.randint(1, 64), "poison": i % 100 == 50,
-              **cost} for i in range(a.jobs)]
+    costs = [rng.randint(4096, 12288) if i % 100 == 25 else rng.randint(1, 64) for i in range(a.jobs)]
+    specs = [{"cost": c, "poison": i % 100 == 50, **cost} for i, c in enumerate(costs)]
     cpu = meter()
     ids, seconds, cancelled = await _run_queued(conn, fleet, specs, cancel_every=100, cpu=cpu)
     good = [i for i, s in zip(ids, specs, strict=True) if not s["poison"] and i not in cancelled]
@@ -125,9 +126,13 @@ async def closed_loop(conn: Any, fleet: Fleet, a: argparse.Namespace, meter: Cal
     out["cpu_us_per_job"] = {"batched": _per_job(cpu, len(ids) - len(cancelled))}
     common.progress(f"closed loop, batched, no-op handler (the dispatcher's ceiling): {a.jobs:,} jobs")
     cpu = meter()
-    ids, seconds, _ = await _run_queued(conn, fleet, [{"cost": 1}] * a.jobs, cpu=cpu)
-    out["ceiling_jobs_per_s"] = round(len(ids) / seconds, 1)
-    out["cpu_us_per_job"]["ceiling"] = _per_job(cpu, len(ids))
+    free = {"fixed_ms": 0, "per_item_ms": 0}  # the same payloads' size, no sleep
+    ids, seconds, cancelled = await _run_queued(conn, fleet, [{**s, **free} for s in specs], cancel_every=100, cpu=cpu)
+    out["ceiling_jobs_per_s"] = round((len(ids) - len(cancelled)) / seconds, 1)
+    out["cpu_us_per_job"]["ceiling"] = _per_job(cpu, len(ids) - len(cancelled))
+    common.progress(f"closed loop, batched, no-op handler, full batches of one-field jobs: {a.jobs:,} jobs")
+    ids, seconds, _ = await _run_queued(conn, fleet, [{"cost": 1}] * a.jobs)
+    out["noop_jobs_per_s"] = round(len(ids) / seconds, 1)
     await admin.set_batching(conn, KIND, None)
     common.progress(f"closed loop, unbatched: {a.unbatched_jobs:,} jobs, one call each")
     ids, seconds, _ = await _run_queued(conn, fleet, [{"cost": 1, **cost}] * a.unbatched_jobs)
@@ -201,7 +206,8 @@ def report(r: dict[str, Any]) -> None:
         ["closed loop", "jobs/s"],
         [["batched", r["batched_jobs_per_s"]], ["unbatched (one call per job)", r["unbatched_jobs_per_s"]],
          ["ideal (every slot a full batch)", r["ideal_jobs_per_s"]],
-         ["dispatcher ceiling (no-op batches)", r["ceiling_jobs_per_s"]]],
+         ["dispatcher ceiling (these jobs, no-op handler)", r["ceiling_jobs_per_s"]],
+         ["dispatcher best case (full no-op batches of one-field jobs)", r["noop_jobs_per_s"]]],
         title=f"batching: {r['agents']} agents x {r['capacity']} slots, {r['max_items']} a batch")
     print(f"mean batch {r['batched_mean_items']} items   speedup {r['speedup']}x   ideal_fraction {r['ideal_fraction']}   ceiling_fraction {r['ceiling_fraction']}")
     for run, used in r["cpu_us_per_job"].items():
