@@ -120,7 +120,8 @@ async def test_jobs_enqueued_then_completed_move_through_the_overview(chrome, ds
     async def render(job):
         await anyio.sleep(0.02)  # not a settle wait: the backlog drains over a few samples, for the chart
 
-    async with running_server(dsn, ui_sample_seconds=0.25, **UI) as srv:
+    # The charts' queue depth is the census's (GPUQ_METRICS_SAMPLE_SECONDS): as often as the charts.
+    async with running_server(dsn, ui_sample_seconds=0.25, metrics_sample_seconds=0.25, **UI) as srv:
         await browse(log_in, chrome, srv.http, READ)
         await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'render' FROM generate_series(1, 400)")
         await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'embed' FROM generate_series(1, 30)")
