@@ -3,7 +3,7 @@ costs the database nothing whatever the backlog, and the gauges say how old they
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuq import census, db
+from gpuq import admin, census, db
 from gpuq.harness import http_get, running_server
 from tests.helpers import seed_history, wait_for
 
@@ -30,8 +30,9 @@ async def test_a_scrape_reads_nothing_of_a_backlog_of_100k_and_its_history(dsn, 
     """One scrape on an otherwise idle server (no poll, no sweep, no census read due), the
     server's buffer reads of gpuq.jobs counted from PostgreSQL's statistics: what its backends
     flush when they exit, after the scrape. A scrape that counted the live rows itself read
-    11,800 buffers here."""
+    11,800 buffers here. Fair share is on: the tenants' gauges are the census's too."""
     await live_conn.execute("ALTER TABLE gpuq.jobs SET (autovacuum_enabled = off)")  # its reads would count
+    await admin.set_tenant(live_conn, "acme", 2)
     quiet = {"poll_seconds": 3600, "sweep_seconds": 3600, "metrics_sample_seconds": 3600}
     async with running_server(f"{dsn}?application_name={SERVER}", **quiet) as srv:
         # The census read once before the server listened: the first scrape has every series.
@@ -39,8 +40,9 @@ async def test_a_scrape_reads_nothing_of_a_backlog_of_100k_and_its_history(dsn, 
         assert _values(first, "gpuq_queue_depth") == {"pending": 0, "leased": 0, "scheduled": 0}
         assert _values(first, "gpuq_queue_sample_age_seconds")[""] >= 0  # not NaN: read
         await seed_history(live_conn, 20_000)
-        await live_conn.execute("INSERT INTO gpuq.jobs (kind, priority) SELECT CASE WHEN g % 3 = 0 THEN 'embed' "
-                                "ELSE 'train' END, g % 4 FROM generate_series(1, 100000) g")
+        await live_conn.execute("INSERT INTO gpuq.jobs (kind, priority, tenant) SELECT CASE WHEN g % 3 = 0 "
+                                "THEN 'embed' ELSE 'train' END, g % 4, CASE WHEN g % 2 = 0 THEN 'acme' END "
+                                "FROM generate_series(1, 100000) g")
         await live_conn.execute("INSERT INTO gpuq.jobs (kind, gpus, model) SELECT 'infer', 1, 'llama' "
                                 "FROM generate_series(1, 5000)")
         await live_conn.execute("SELECT pg_stat_force_next_flush()")  # this connection's inserts: counted now

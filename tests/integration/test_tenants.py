@@ -4,16 +4,22 @@ Run times are set in SQL (``started_at`` in the past): in the ``conn`` fixture's
 ``now()`` stands still, so a job started 10 s before it is charged exactly 10 s.
 """
 
+import json
+
 import asyncpg
 import pytest
 import structlog
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
-from gpuq import admin, plans, producer, queue
+from gpuq import admin, census, metrics, plans, producer, queue
+from gpuq.dispatcher import Tuning
 from gpuq.dispatcher.completer import Completer
+from gpuq.harness import TOKEN, http_get, running_server
 from gpuq.jobs import JobBackoff, NewJob
 from gpuq.protocol import Done, Failed
 from gpuq.sql import queries
-from tests.helpers import add_pending
+from tests.helpers import add_pending, dispatcher_idle, wait_for
 
 HALF_LIFE = 60.0
 
@@ -295,3 +301,75 @@ async def test_the_tenants_read_and_the_charged_outcomes_read_no_history(conn):
         assert not [i for i in indexes if i.startswith("seqscan")], (name, indexes)
         assert plans.plan_buffers(plan) < 300, (name, plans.plan_buffers(plan))
 
+
+# -- a server: its completer, /status, /metrics ----------------------------------
+
+
+def _tenant_series(text: str) -> dict[tuple[str, str], float]:
+    return {(s.name, s.labels["tenant"]): s.value for f in text_string_to_metric_families(text)
+            if f.name.startswith("gpuq_tenant_") for s in f.samples}
+
+
+async def _done(job) -> None:
+    return None
+
+
+async def test_a_server_charges_its_agents_jobs_once_a_weight_is_set_and_shows_each_tenant(dsn, pool, monkeypatch):
+    monkeypatch.setattr(census, "LOAD_SHARE", 1.0)  # a read every 0.05 s, however slow this machine's reads are
+    async with running_server(dsn, tuning=Tuning(fair_share_seconds=0), metrics_sample_seconds=0.05) as srv:
+        await srv.agent(["train"], 2, _done)
+        await producer.wait(pool, await producer.enqueue(pool, "train", tenant="acme"), timeout=10)
+        assert await _usage(pool) == {}  # fair share off: nothing charged, nothing shown
+        assert json.loads((await http_get(srv.http + "/status", token=TOKEN))[2])["tenants"] == []
+        assert _tenant_series((await http_get(srv.http + "/metrics"))[2]) == {}
+
+        await admin.set_tenant(pool, "acme", 3)  # on: the '*' it sends has the dispatcher read the weights
+        await dispatcher_idle()
+        await producer.wait(pool, await producer.enqueue(pool, "train", tenant="acme"), timeout=10)
+        used = (await _usage(pool))["acme"]
+        assert used > 0 and list(await _usage(pool)) == ["acme"]
+        await pool.execute("INSERT INTO gpuq.jobs (kind, tenant) VALUES ('other', 'beta')")  # no agent takes it
+        tenants = json.loads((await http_get(srv.http + "/status", token=TOKEN))[2])["tenants"]
+        assert [(t["tenant"], t["weight"], t["weighted"], t["share"], t["fair_share"], t["pending"])
+                for t in tenants] == [("acme", 3, True, 1.0, 0.75, 0), ("beta", 1, False, 0.0, 0.25, 1)]
+        assert 0 < tenants[0]["usage_gpu_seconds"] <= round(used, 3)
+        series: dict[tuple[str, str], float] = {}
+
+        async def beta_is_counted() -> bool:  # the census's next read (gpuq.census): the scrape reads no database
+            series.update(_tenant_series((await http_get(srv.http + "/metrics"))[2]))
+            return series.get(("gpuq_tenant_backlog", "beta")) == 1.0
+
+        await wait_for(beta_is_counted)
+        assert 0 < series[("gpuq_tenant_usage_gpu_seconds", "acme")] <= used
+        assert {k: v for k, v in series.items() if k[0] != "gpuq_tenant_usage_gpu_seconds"} == {
+            ("gpuq_tenant_share", "acme"): 1.0, ("gpuq_tenant_share", "beta"): 0.0,
+            ("gpuq_tenant_fair_share", "acme"): 0.75, ("gpuq_tenant_fair_share", "beta"): 0.25,
+            ("gpuq_tenant_weight", "acme"): 3.0, ("gpuq_tenant_weight", "beta"): 1.0,
+            ("gpuq_tenant_backlog", "acme"): 0.0, ("gpuq_tenant_backlog", "beta"): 1.0}
+
+
+async def test_the_census_reads_the_tenants_only_while_fair_share_is_on(pool, monkeypatch):
+    """Off, a census read costs no tenant statement and shows no tenant series; on, it reads them
+    and /metrics serves what it read; off again, the series go."""
+    reads = []
+
+    async def counted(db):
+        reads.append(1)
+        return await admin.tenants(db)
+
+    monkeypatch.setattr(census, "tenants", counted)
+    await admin.set_tenant(pool, "acme", 2)
+    await pool.execute("INSERT INTO gpuq.jobs (kind, tenant) VALUES ('train', 'acme')")
+    on = [False]
+    reader = census.Census(pool, period=5.0, fair_share=lambda: on[0])
+
+    def shown() -> dict[tuple[str, str], float]:
+        return _tenant_series(generate_latest(metrics.REGISTRY).decode())
+
+    assert (await reader.read()).tenants == [] and reads == [] and shown() == {}
+    on[0] = True
+    assert [t.name for t in (await reader.read()).tenants] == ["acme"] and reads == [1]
+    assert (shown()[("gpuq_tenant_weight", "acme")], shown()[("gpuq_tenant_backlog", "acme")]) == (2.0, 1.0)
+    on[0] = False
+    await reader.read()
+    assert reads == [1] and shown() == {}
