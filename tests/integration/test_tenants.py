@@ -147,7 +147,7 @@ async def test_weights_are_set_replaced_and_removed_and_each_change_wakes_the_di
     await admin.set_tenant(pool, "acme", None)
     await admin.set_tenant(pool, "nobody", None)  # no weight: nothing to remove
     assert await admin.tenant_weights(pool) == {"default": 0.25}
-    assert await notifications.drain(0.2) == ["*"] * 5
+    assert [await notifications.next() for _ in range(5)] == ["*"] * 5
     for bad in (0, -1, 1_000_001, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="a weight must be more than 0"):
             await admin.set_tenant(pool, "acme", bad)
