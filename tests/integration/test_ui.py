@@ -507,6 +507,7 @@ async def test_the_controls_page_lists_tenants_weights_and_a_read_only_session_c
     async with running_server(dsn, **UI) as srv:
         await admin_api.set_tenant(pool, "acme", 3)  # as `gpuq tenant set` sets them
         await pool.execute("INSERT INTO gpuq.jobs (kind, tenant) VALUES ('train', 'acme'), ('train', 'beta')")
+        beta = await pool.fetchval("SELECT id FROM gpuq.jobs WHERE tenant = 'beta'")
         read_only = await _admin_headers(srv.port, READ)
         _, _, body = await request(srv.port, "GET", "/ui/controls", read_only)
         assert body.index('data-tenant="acme"') < body.index('data-tenant="beta"')
@@ -520,6 +521,8 @@ async def test_the_controls_page_lists_tenants_weights_and_a_read_only_session_c
         assert await admin_api.tenant_weights(pool) == {"acme": 3.0}
         _, _, body = await request(srv.port, "GET", "/ui", read_only)  # the overview's panel
         assert 'id="tenant-usage"' in body and 'data-tenant="beta"' in body
+        _, _, body = await request(srv.port, "GET", f"/ui/jobs/{beta}", read_only)
+        assert '<dd id="job-tenant">beta</dd>' in body
 
 
 async def test_an_admin_sets_and_removes_a_tenants_weight_with_the_clis_checks(dsn, pool):
