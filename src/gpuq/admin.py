@@ -1,8 +1,9 @@
 """The operator's side of the queue over ``sql/queries.sql``: control and reads, not the job lifecycle.
 
-Control: pause and resume kinds, limits, kinds' default timeouts, retry and
-cancel jobs (the ``gpuq`` admin commands and the dashboard's actions). Reads:
-one job, pages of jobs, live counts (``gpuq show``/``jobs``/``status``,
+Control: pause and resume kinds, limits, kinds' default timeouts, batching
+policies, tenants' weights and the usage half-life, retry and cancel jobs
+(the ``gpuq`` admin commands and the dashboard's actions). Reads: one job,
+pages of jobs, live counts, tenants' usage (``gpuq show``/``jobs``/``status``,
 ``/status`` and the dashboard). Each read stays bounded whatever the history:
 a page walks at most ``LIST_WINDOW`` ids, counts read the partial indexes.
 Functions take ``db`` (``gpuq.sql.DB``); every value travels as a bind parameter.
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+from gpuq.backlog import COUNT_CAP
 from gpuq.jobs import (
     LIVE_STATES,
     MAX_BATCH_ITEMS,
@@ -28,6 +30,7 @@ from gpuq.jobs import (
 )
 from gpuq.kinds import KIND_RULE, is_kind
 from gpuq.sql import DB, queries
+from gpuq.tenants import Tenant, check_half_life, check_tenant, check_weight, with_shares
 
 # A page of a list that may reach into history examines at most this many ids
 # of the primary key: a filter that matches nothing costs one window, not the table.
@@ -108,6 +111,37 @@ async def set_batching(db: DB, kind: str, max_items: int | None, max_wait_ms: in
 async def batching(db: DB) -> list[dict[str, Any]]:
     """Every kind's batching policy: ``{kind, max_items, max_wait_ms, max_cost, updated_at}``."""
     return [dict(r) for r in await db.fetch(queries["batch_policies"])]
+
+
+async def set_tenant(db: DB, name: str, weight: float | None) -> None:
+    """Tenant ``name`` weighs ``weight`` (``default``: the jobs that name none); None removes its
+    weight (back to 1). Fair share is on while some tenant has a weight; every dispatcher is told."""
+    check_tenant(name)
+    if weight is not None:
+        check_weight(weight)
+    await db.execute(queries["tenant_set"], name, weight)
+
+
+async def tenant_weights(db: DB) -> dict[str, float]:
+    """The weights set (none: fair share is off)."""
+    return {r["name"]: r["weight"] for r in await db.fetch(queries["tenant_weights"])}
+
+
+async def tenants(db: DB) -> list[Tenant]:
+    """While fair share is on, each tenant with a weight, usage or work: its usage (decayed, with its
+    running jobs' so far), shares, running and pending jobs (up to ``COUNT_CAP``); else none.
+    O(tenants with work + COUNT_CAP a tenant), never history."""
+    return with_shares(await db.fetch(queries["tenant_usage"], COUNT_CAP))
+
+
+async def set_half_life(db: DB, seconds: float) -> None:
+    """Usage halves every ``seconds`` from now on, on every server."""
+    check_half_life(seconds)
+    await db.execute(queries["half_life_set"], float(seconds))
+
+
+async def half_life(db: DB) -> float:
+    return float(await db.fetchval(queries["half_life"]))
 
 
 async def limits(db: DB) -> list[dict[str, Any]]:

@@ -108,7 +108,7 @@ class Setting:
 
 
 _DB_COMMANDS = ("migrate", "serve", "sweep", "enqueue", "status", "jobs", "pause", "resume", "retry", "cancel", "show",
-                "wait", "schedule", "kind-timeout", "limit", "batch")
+                "wait", "schedule", "kind-timeout", "limit", "batch", "tenant")
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("database_url", "DATABASE_URL", None, parse_text, "PostgreSQL DSN",
@@ -143,8 +143,9 @@ SETTINGS: tuple[Setting, ...] = (
             "how often the dashboard samples rates, queue depth and latency for its last-hour charts",
             {SERVE: "--ui-sample-seconds"}),
     Setting("metrics_sample_seconds", "GPUQ_METRICS_SAMPLE_SECONDS", 5.0, parse_duration,
-            "how often serve reads queue depth, paused kinds and the backlog per kind and shape for /metrics "
-            "(a scrape reads no database; after a read of d seconds the next waits at least 50 d)",
+            "how often serve reads queue depth, paused kinds, the backlog per kind and shape and (fair share "
+            "on) the tenants' usage for /metrics (a scrape reads no database; after a read of d seconds the "
+            "next waits at least 50 d)",
             {SERVE: "--metrics-sample-seconds"}),
     Setting("lease_seconds", "GPUQ_LEASE_SECONDS", 60.0, parse_duration,
             "lease length; a silent agent's jobs return after it", {SERVE: "--lease-seconds"}),

@@ -84,13 +84,14 @@ class Fleet:
 
     async def status(self) -> dict[str, Any]:
         """The body of ``/status``: live counts from the partial indexes, agents, limits, batching
-        policies, unplaceable jobs."""
+        policies, tenants' usage and shares, unplaceable jobs."""
         counts = await admin.status_counts(self.pool)
         body = counts.as_dict()
         body["agents"] = self.agents()
         body["unplaceable"] = await self.unplaceable()
         body["limits"] = await admin.limits(self.pool)
         body["batching"] = [{k: v for k, v in p.items() if k != "updated_at"} for p in await admin.batching(self.pool)]
+        body["tenants"] = [t.as_dict() for t in await admin.tenants(self.pool)]  # [] while fair share is off
         body["agents_connected"] = self.agent_count
         body["slots"] = self.busy()
         return body

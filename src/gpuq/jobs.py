@@ -17,6 +17,7 @@ from typing import Any
 
 from gpuq.kinds import KIND_RULE, is_kind
 from gpuq.protocol.describe import LABEL_RULE, MODEL_RULE, is_label, is_model
+from gpuq.tenants import check_tenant
 
 LIVE_STATES = ("pending", "leased", "scheduled")
 # A W3C trace context, (traceparent, tracestate or None): what a job carries of its producer's trace.
@@ -44,6 +45,8 @@ class NewJob:
     # keeps unlike jobs apart (only jobs of one batch_key share a batch).
     cost: int | None = None
     batch_key: str | None = None
+    # Fair share (docs/design.md, "Fair share"): whose GPU-seconds it charges (None: the default tenant).
+    tenant: str | None = None
 
     @property
     def placed(self) -> bool:
@@ -64,6 +67,8 @@ class NewJob:
         check_timeout(self.timeout_seconds)
         check_placement(self.gpus, self.gpu_memory_mb, self.labels, self.model, self.concurrency_key)
         check_batching(self.cost, self.batch_key)
+        if self.tenant is not None:
+            check_tenant(self.tenant)
 
     @classmethod
     def from_mapping(cls, given: Mapping[str, Any]) -> NewJob:
@@ -92,9 +97,9 @@ class NewJob:
 SHORT_NAMES = {"delay": "delay_seconds", "timeout": "timeout_seconds"}  # the CLI's names of NewJob's fields
 _FIELDS = {f.name for f in fields(NewJob)}
 _NULLABLE = {"payload", "run_at", "dedup_key", "timeout_seconds", "gpu_memory_mb", "model", "concurrency_key",
-             "cost", "batch_key"}
+             "cost", "batch_key", "tenant"}
 _WHOLE = {"priority", "max_attempts", "gpus", "timeout_seconds", "gpu_memory_mb", "cost"}
-_TEXT = {"kind", "dedup_key", "model", "concurrency_key", "batch_key"}
+_TEXT = {"kind", "dedup_key", "model", "concurrency_key", "batch_key", "tenant"}
 
 
 def _check_type(name: str, value: Any) -> None:

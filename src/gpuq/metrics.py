@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from gpuq.backlog import COUNT_CAP, Backlog
 from gpuq.jobs import LIVE_STATES, StatusCounts
 from gpuq.protocol.slots import GAP_BUCKETS_MS, SlotReport
+from gpuq.tenants import Tenant
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -44,8 +45,8 @@ INFLIGHT_BY_KIND = Gauge("gpuq_jobs_inflight_by_kind", "Jobs pushed to agents of
 QUEUE_DEPTH = Gauge("gpuq_queue_depth", "Live jobs by state (from the partial indexes, as the census last read "
                     "them: gpuq_queue_sample_age_seconds ago)", ["status"], registry=REGISTRY)
 QUEUE_SAMPLE_AGE = Gauge("gpuq_queue_sample_age_seconds", "How old the gauges read from the database are (queue "
-                         "depth, paused kinds, backlog): seconds since the census's last successful read began "
-                         "(NaN before the first)", registry=REGISTRY)
+                         "depth, paused kinds, backlog, tenants): seconds since the census's last successful read "
+                         "began (NaN before the first)", registry=REGISTRY)
 QUEUE_SAMPLE_AGE.set(float("nan"))
 PAUSED = Gauge("gpuq_kind_paused", "1 for each paused kind: its pending jobs are not leased (autoscalers "
                "leave them out: unless on (kind) gpuq_kind_paused)", ["kind"], registry=REGISTRY)
@@ -68,6 +69,29 @@ DEVICE_MEMORY_USED = Gauge("gpuq_agent_device_memory_used_bytes", "GPU memory in
 DEVICE_UTILIZATION = Gauge("gpuq_agent_device_utilization_ratio", "GPU utilisation 0-1 (NVML, at its last heartbeat)",
                            ["agent", "device"], registry=REGISTRY)
 
+TENANT_USAGE = Gauge("gpuq_tenant_usage_gpu_seconds", "A tenant's usage: GPU-seconds (1 slot for a CPU job) decayed "
+                     "with the half-life, with its running jobs' so far (while fair share is on)", ["tenant"],
+                     registry=REGISTRY)
+TENANT_SHARE = Gauge("gpuq_tenant_share", "A tenant's part of every listed tenant's usage, 0-1 (while fair share "
+                     "is on)", ["tenant"], registry=REGISTRY)
+TENANT_FAIR_SHARE = Gauge("gpuq_tenant_fair_share", "The part a tenant's weight entitles it to among the tenants "
+                          "with work or usage, 0-1 (while fair share is on)", ["tenant"], registry=REGISTRY)
+TENANT_WEIGHT = Gauge("gpuq_tenant_weight", "A tenant's weight (1 unless set; while fair share is on)", ["tenant"],
+                      registry=REGISTRY)
+TENANT_BACKLOG = Gauge("gpuq_tenant_backlog", f"A tenant's pending jobs, counted up to {COUNT_CAP} (while fair share "
+                       "is on)", ["tenant"], registry=REGISTRY)
+_TENANT_GAUGES = (TENANT_USAGE, TENANT_SHARE, TENANT_FAIR_SHARE, TENANT_WEIGHT, TENANT_BACKLOG)
+
+
+def show_tenants(tenants: Iterable[Tenant]) -> None:
+    """Set the tenant gauges from the census's read (``gpuq.census``): a series for each tenant it
+    listed (none while fair share is off)."""
+    for gauge in _TENANT_GAUGES:
+        gauge.clear()
+    for t in tenants:
+        for gauge, value in zip(_TENANT_GAUGES, (t.usage, t.share, t.fair_share, t.weight, t.pending), strict=True):
+            gauge.labels(tenant=t.name).set(value)
+
 
 def show_devices(agents: Iterable[tuple[str, Iterable[Any], dict[int, Any]]]) -> None:
     """Set the device gauges, at scrape time, from ``(agent id, devices, usage by index)`` of the
@@ -83,13 +107,16 @@ def show_devices(agents: Iterable[tuple[str, Iterable[Any], dict[int, Any]]]) ->
                 DEVICE_UTILIZATION.labels(agent=agent, device=index).set(u.utilization / 100)
 
 
-def show_queue(counts: StatusCounts, backlog: Iterable[Backlog], age: Callable[[], float]) -> None:
+def show_queue(counts: StatusCounts, backlog: Iterable[Backlog], tenants: Iterable[Tenant],
+               age: Callable[[], float]) -> None:
     """Set the gauges read from the database (``gpuq.census``): queue depth, paused kinds, the
-    backlog per kind and shape, and ``age``, how old they are at each scrape."""
+    backlog per kind and shape, the tenants (none while fair share is off), and ``age``, how old
+    they are at each scrape."""
     for status in LIVE_STATES:
         QUEUE_DEPTH.labels(status=status).set(counts.total(status))
     show_paused(counts.paused)
     BACKLOG.show(backlog)
+    show_tenants(tenants)
     QUEUE_SAMPLE_AGE.set_function(age)
 
 

@@ -52,6 +52,7 @@ async def enqueue(
     concurrency_key: str | None = None,
     cost: int | None = None,
     batch_key: str | None = None,
+    tenant: str | None = None,
 ) -> int:
     """Enqueue one job and return its id (the live job's id if deduplicated).
 
@@ -60,14 +61,15 @@ async def enqueue(
     each with at least ``gpu_memory_mb``; an agent with every one of
     ``labels``; one holding ``model`` warm if any fits; ``concurrency_key``
     for global limits. Batching (a kind with a policy, ``gpuq batch``): ``cost``, its share of a
-    batch's ``max_cost``; ``batch_key``: only jobs of one key share a batch. ``ValueError`` for a
-    bad value (``NewJob.from_mapping``).
+    batch's ``max_cost``; ``batch_key``: only jobs of one key share a batch. ``tenant``: whose
+    GPU-seconds it charges under fair share (None: the default tenant; ``gpuq tenant``). ``ValueError``
+    for a bad value (``NewJob.from_mapping``).
     """
     job = NewJob.from_mapping({
         "kind": kind, "payload": payload, "priority": priority, "max_attempts": max_attempts, "delay": delay,
         "run_at": run_at, "dedup_key": dedup_key, "timeout_seconds": timeout_seconds, "gpus": gpus,
         "gpu_memory_mb": gpu_memory_mb, "labels": labels, "model": model, "concurrency_key": concurrency_key,
-        "cost": cost, "batch_key": batch_key})
+        "cost": cost, "batch_key": batch_key, "tenant": tenant})
     return (await enqueue_many(db, [job]))[0]
 
 

@@ -32,6 +32,7 @@ from gpuq.jobs import (
 )
 from gpuq.plans import lease_args
 from gpuq.sql import DB, queries
+from gpuq.tenants import DEFAULT_TENANT
 from gpuq.wakeups import notify, notify_cancel, notify_outcomes
 
 DEFAULT_BACKOFF = JobBackoff()  # a failed job's retry delay unless the caller gives one
@@ -56,7 +57,9 @@ def _columns(jobs: Sequence[NewJob], trace: TraceContext | None) -> tuple[list[A
         [j.concurrency_key for j in jobs])
     batching = (None, None) if not any(j.cost is not None or j.batch_key is not None for j in jobs) else (
         [j.cost for j in jobs], [j.batch_key for j in jobs])
-    return (*plain, *placed, *batching, *(trace or (None, None)))
+    # The default tenant is stored as NULL: its jobs have no entry in jobs_tenant_pending_idx.
+    tenants = [None if j.tenant == DEFAULT_TENANT else j.tenant for j in jobs]
+    return (*plain, *placed, *batching, tenants if any(tenants) else None, *(trace or (None, None)))
 
 
 async def enqueue_many(db: DB, jobs: Sequence[NewJob], trace: TraceContext | None = None) -> list[int]:
@@ -272,11 +275,13 @@ def _leased(r: Any) -> LeasedJob:
 # Outcomes: fenced by (status = 'leased', lease_token)
 # --------------------------------------------------------------------------
 
-async def complete_many(db: DB, results: Iterable[tuple[int, str, Any]]) -> set[int]:
+async def complete_many(db: DB, results: Iterable[tuple[int, str, Any]], charge: bool = False) -> set[int]:
     """Mark jobs done where (id, lease_token) still holds the lease.
 
     Returns the ids that were accepted; any other id was rejected by fencing
     (its lease was reclaimed or it is no longer leased) and changed nothing.
+    ``charge`` (fair share is on): each job's GPU-seconds also go to its
+    tenant's usage, in the same statement; off, the statement is the plain one.
     """
     ids, tokens, values = [], [], []
     for job_id, token, result in results:
@@ -285,7 +290,7 @@ async def complete_many(db: DB, results: Iterable[tuple[int, str, Any]]) -> set[
         values.append(_jsonb_param(result))
     if not ids:
         return set()
-    rows = await db.fetch(queries["complete_many"], ids, tokens, values)
+    rows = await db.fetch(queries["complete_many_charged" if charge else "complete_many"], ids, tokens, values)
     return {r["id"] for r in rows}
 
 
@@ -310,9 +315,11 @@ async def record_progress(db: DB, updates: Iterable[Any]) -> set[int]:
 
 
 async def fail_many(
-    db: DB, failures: Iterable[tuple[int, str, str, bool]], backoff: JobBackoff = DEFAULT_BACKOFF
+    db: DB, failures: Iterable[tuple[int, str, str, bool]], backoff: JobBackoff = DEFAULT_BACKOFF,
+    charge: bool = False,
 ) -> dict[int, FailOutcome]:
-    """Record failures ``(id, token, error, retryable)``; return accepted ids -> outcome."""
+    """Record failures ``(id, token, error, retryable)``; return accepted ids -> outcome. ``charge``:
+    as ``complete_many``'s."""
     ids, tokens, errors, retry = [], [], [], []
     for job_id, token, error, retryable in failures:
         ids.append(job_id)
@@ -321,7 +328,7 @@ async def fail_many(
         retry.append(retryable)
     if not ids:
         return {}
-    rows = await db.fetch(queries["fail_many"], ids, tokens, errors, retry,
+    rows = await db.fetch(queries["fail_many_charged" if charge else "fail_many"], ids, tokens, errors, retry,
                           backoff.base_seconds, backoff.cap_seconds, backoff.jitter)
     return {r["id"]: FailOutcome(r["id"], str(r["status"]), r["run_at"]) for r in rows}
 
@@ -360,7 +367,8 @@ async def _move_and_notify(db: DB, name: str, *args: Any) -> Moved:
 
 async def release_agent(db: DB, agent: str, started: Sequence[int]) -> Moved:
     """An agent disconnected: its leased jobs go back to pending at once; only the ``started`` ones
-    count their attempt (a prefetched job, or one leased while the agent left, never ran)."""
+    count their attempt (a prefetched job, or one leased while the agent left, never ran), and,
+    while fair share is on, charge their GPU-seconds so far."""
     return await _move_and_notify(db, "release_agent", agent, "agent disconnected during the last attempt",
                                   list(started))
 
@@ -381,13 +389,15 @@ async def release_jobs(db: DB, ids: Sequence[int], undelivered: bool = False) ->
 
 
 async def reclaim_expired(db: DB, limit: int = 1000) -> Moved:
-    """Sweeper: expired leases back to pending (or dead when out of attempts)."""
+    """Sweeper: expired leases back to pending (or dead when out of attempts); while fair share is
+    on each charges its GPU-seconds until the lease expired."""
     return await _move_and_notify(db, "reclaim_expired", limit, "lease expired after the last attempt")
 
 
 async def expire_deadlines(db: DB, limit: int, grace_seconds: float, backoff: JobBackoff = DEFAULT_BACKOFF) -> Moved:
     """Fail attempts still leased ``grace_seconds`` past their deadline (error ``timeout``, retried
-    after the backoff while attempts remain, else dead), and tell their agents to stop them."""
+    after the backoff while attempts remain, else dead; charged while fair share is on), and tell
+    their agents to stop them."""
     rows = await db.fetch(queries["expire_deadlines"], limit, float(grace_seconds), backoff.base_seconds,
                           backoff.cap_seconds)
     moved = Moved([r["id"] for r in rows if r["status"] != "dead"], [r["id"] for r in rows if r["status"] == "dead"],

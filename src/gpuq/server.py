@@ -50,7 +50,8 @@ class AgentServer:
         self.dispatcher = dispatcher
         self.fleet = Fleet(dispatcher)
         self.config = config
-        self.census = Census(dispatcher.pool, config.metrics_sample_seconds)
+        self.census = Census(dispatcher.pool, config.metrics_sample_seconds,
+                             fair_share=lambda: dispatcher.fair_share.on)
         self.ui = Dashboard(self.fleet, self.census, config.ui_tokens, config.ui_admin_tokens, tls,
                             config.ui_sample_seconds)
         self._per_ip: dict[str, int] = {}
@@ -97,7 +98,7 @@ class AgentServer:
 
     def _metrics(self) -> bytes:
         """The Prometheus text. A scrape reads no database, so any number of scrapers cost it
-        nothing: queue depth, paused kinds and the backlog are the census's last read
+        nothing: queue depth, paused kinds, the backlog and the tenants are the census's last read
         (``gpuq.census``); devices and jobs in flight are set now, from the agents connected."""
         metrics.show_devices(self.fleet.devices())
         metrics.show_inflight(self.fleet.inflight_by_kind())

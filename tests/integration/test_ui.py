@@ -499,3 +499,58 @@ async def test_an_admin_sets_replaces_and_removes_a_batching_policy_with_the_cli
             assert 'data-batching="embed"' not in body and "none (gpuq batch KIND --max-items N)" in body
         assert [(e["action"], e["kind"]) for e in logged if e["event"] == "ui.action"] == [
             ("set_batching", "embed"), ("set_batching", "embed"), ("remove_batching", "embed")]
+
+
+async def test_the_controls_page_lists_tenants_weights_and_a_read_only_session_cannot_change_them(dsn, pool):
+    from gpuq import admin as admin_api
+
+    async with running_server(dsn, **UI) as srv:
+        await admin_api.set_tenant(pool, "acme", 3)  # as `gpuq tenant set` sets them
+        await pool.execute("INSERT INTO gpuq.jobs (kind, tenant) VALUES ('train', 'acme'), ('train', 'beta')")
+        beta = await pool.fetchval("SELECT id FROM gpuq.jobs WHERE tenant = 'beta'")
+        read_only = await _admin_headers(srv.port, READ)
+        _, _, body = await request(srv.port, "GET", "/ui/controls", read_only)
+        assert body.index('data-tenant="acme"') < body.index('data-tenant="beta"')
+        row = body.split('<tr data-tenant="acme">', 1)[1].split("</tr>", 1)[0]
+        assert '<td class="n">3</td>' in row and "75.0%" in row  # its weight's share, against beta's 1
+        row = body.split('<tr data-tenant="beta">', 1)[1].split("</tr>", 1)[0]
+        assert "1 (default)" in row and "25.0%" in row and '<td class="n">1</td>\n        <td></td>' in row
+        assert "/ui/tenants/remove" not in body and 'id="tenant-form"' not in body  # read-only: no actions
+        for refused in ("/ui/tenants/set?name=acme&weight=2", "/ui/tenants/remove?name=acme"):
+            assert (await request(srv.port, "POST", refused, read_only))[0] == 403
+        assert await admin_api.tenant_weights(pool) == {"acme": 3.0}
+        _, _, body = await request(srv.port, "GET", "/ui", read_only)  # the overview's panel
+        assert 'id="tenant-usage"' in body and 'data-tenant="beta"' in body
+        _, _, body = await request(srv.port, "GET", f"/ui/jobs/{beta}", read_only)
+        assert '<dd id="job-tenant">beta</dd>' in body
+
+
+async def test_an_admin_sets_and_removes_a_tenants_weight_with_the_clis_checks(dsn, pool):
+    from structlog.testing import capture_logs
+
+    from gpuq import admin as admin_api
+
+    async with running_server(dsn, **UI) as srv:
+        admin = await _admin_headers(srv.port)
+        _, _, body = await request(srv.port, "GET", "/ui/controls", admin)
+        assert "fair share off: no tenant has a weight" in body and "halved every 3600 s" in body
+        with capture_logs() as logged:
+            status, _, body = await request(srv.port, "POST", "/ui/tenants/set?name=acme&weight=2.5", admin)
+            assert (status, body) == (200, "acme: weight 2.5")
+            status, _, body = await request(srv.port, "POST", "/ui/tenants/set?name=acme&weight=4", admin)
+            assert (status, body) == (200, "acme: weight 4")
+            for bad, says in (("name=acme&weight=0", "a weight must be more than 0"),
+                              ("name=acme&weight=-2", "a weight must be more than 0"),
+                              ("name=acme&weight=nan", "a weight must be more than 0"),
+                              ("name=acme&weight=", "give a weight"),
+                              ("name=acme&weight=lots", "weight must be a number"),
+                              ("name=a%20b&weight=1", "bad tenant")):
+                status, _, body = await request(srv.port, "POST", "/ui/tenants/set?" + bad, admin)
+                assert status == 400 and says in body, (bad, status, body)
+            assert await admin_api.tenant_weights(pool) == {"acme": 4.0}
+            _, _, body = await request(srv.port, "GET", "/ui/controls", admin)
+            assert 'hx-post="/ui/tenants/remove?name=acme"' in body and 'id="tenant-form"' in body
+            assert (await request(srv.port, "POST", "/ui/tenants/remove?name=acme", admin))[0] == 204
+            assert await admin_api.tenant_weights(pool) == {}
+        assert [(e["action"], e["tenant"]) for e in logged if e["event"] == "ui.action"] == [
+            ("set_tenant", "acme"), ("set_tenant", "acme"), ("remove_tenant", "acme")]

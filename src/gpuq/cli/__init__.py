@@ -1,5 +1,5 @@
 """The ``gpuq`` command: migrate, serve, sweep, agent, enqueue, status, jobs, show, wait, cancel, pause, resume,
-retry, schedule, kind-timeout, limit, batch, dev, bench.
+retry, schedule, kind-timeout, limit, batch, tenant, dev, bench.
 
 Each command (or small family of commands) is a module here that registers its own flags and
 holds its handler; this module builds the parser from them, in ``COMMANDS`` order (the order
@@ -14,13 +14,25 @@ import sys
 from collections.abc import Sequence
 
 from gpuq import __version__, config, logs
-from gpuq.cli import admin, agent, batch, bench, dev, enqueue, jobs, schedule, services, status
+from gpuq.cli import (
+    admin,
+    agent,
+    batch,
+    bench,
+    dev,
+    enqueue,
+    jobs,
+    schedule,
+    services,
+    status,
+    tenant,
+)
 from gpuq.cli.errors import EXIT_FAILURE, EXIT_USAGE, CLIError, run_guarded
 
 __all__ = ["COMMANDS", "EXIT_FAILURE", "EXIT_USAGE", "CLIError", "build_parser", "main"]
 
 # The command modules, in the order of gpuq --help; each has register(subparsers).
-COMMANDS = (services, agent, enqueue, status, jobs, admin, batch, schedule, dev, bench)
+COMMANDS = (services, agent, enqueue, status, jobs, admin, batch, tenant, schedule, dev, bench)
 LOGGING_COMMANDS = set(config.LOGGED)
 STDERR_LOG_COMMANDS = {"dev"}  # dev prints progress on stdout
 

@@ -31,9 +31,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     e.add_argument("--cost", type=int, default=None,
                    help="its share of a batch's --max-cost (tokens, pixels; see gpuq batch)")
     e.add_argument("--batch-key", default=None, help="only jobs of one batch key share a batch (a length bucket, ...)")
+    e.add_argument("--tenant", default=None,
+                   help="whose GPU-seconds it charges under fair share (default: the default tenant; see gpuq tenant)")
     e.add_argument("--stdin", action="store_true",
                    help='bulk: one JSON object per line, {"kind": ..., "payload": ..., "priority": ...}; '
-                        "the flags' names (gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key) too")
+                        "the flags' names (gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant) too")
     e.add_argument("--batch", type=int, default=1000, help="rows per INSERT with --stdin (default 1000)")
     config.add_flags(e, "enqueue")
     e.set_defaults(func=cmd_enqueue)
@@ -55,7 +57,8 @@ def cmd_enqueue(args: argparse.Namespace) -> int:
             "max_attempts": args.max_attempts, "delay": args.delay, "dedup_key": args.dedup_key,
             "timeout": args.timeout, "gpus": args.gpus, "gpu_memory_mb": args.gpu_memory,
             "labels": config.parse_list(args.labels, "--labels"), "model": args.model,
-            "concurrency_key": args.concurrency_key, "cost": args.cost, "batch_key": args.batch_key})
+            "concurrency_key": args.concurrency_key, "cost": args.cost, "batch_key": args.batch_key,
+            "tenant": args.tenant})
     except ValueError as exc:
         raise CLIError(str(exc)) from None
 

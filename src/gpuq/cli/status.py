@@ -1,5 +1,5 @@
-"""``gpuq status``: live job counts per kind and state, and with ``--server`` the fleet a
-server's ``/status`` reports, as a table or JSON."""
+"""``gpuq status``: live job counts per kind and state, tenants' usage and shares while fair share
+is on, and with ``--server`` the fleet a server's ``/status`` reports, as a table or JSON."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from gpuq import config
 from gpuq.cli.database import on_db
 from gpuq.cli.errors import CLIError
 from gpuq.cli.output import table
+from gpuq.cli.tenant import tenant_table
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -24,7 +25,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     from gpuq import admin
 
-    body = on_db(args, admin.status_counts).as_dict()
+    async def read(conn: Any) -> dict[str, Any]:
+        body = (await admin.status_counts(conn)).as_dict()
+        body["tenants"] = [t.as_dict() for t in await admin.tenants(conn)]  # [] while fair share is off
+        return body
+
+    body = on_db(args, read)
     if args.server:
         body["server"] = _fetch_server_status(args.server, config.get("token", flag=args.token))
     if args.json:
@@ -66,6 +72,8 @@ def render_status(body: dict[str, Any]) -> str:
     oldest = body["oldest_pending_seconds"]
     lines.append(f"oldest pending: {oldest:.1f} s" if oldest is not None else "oldest pending: -")
     lines.append(f"history (done+dead, estimate): {body['history_estimate']}")
+    if body.get("tenants"):  # fair share is on
+        lines += ["fair share:", *("  " + line for line in tenant_table(body["tenants"]))]
     if "server" in body:
         lines += _render_agents(body["server"])
     return "\n".join(lines)

@@ -2,7 +2,9 @@
 
 ``submit`` queues outcomes as the server reads them; one task writes every
 outcome queued by then with one ``complete_many`` and one ``fail_many``, then
-acks each agent. Jobs given back unstarted (``release_unstarted``) and leases
+acks each agent. While fair share is on (``charging``) their ``_charged``
+variants also charge each attempt's GPU-seconds to its tenant, in the same
+statement; off, nothing more is written. Jobs given back unstarted (``release_unstarted``) and leases
 no agent will run (``release``) go back to pending in the same flush. A batch
 the database refuses (a value jsonb cannot take) is written one by one, so one
 bad outcome cannot block the others.
@@ -47,10 +49,11 @@ class Completer(Writer):
 
     def __init__(self, pool: Any, backoff: JobBackoff, on_written: Callable[[], None] | None = None,
                  latency: JobLatency | None = None, on_released: Callable[[Session], None] | None = None,
-                 spans: ServerSpans | None = None):
+                 spans: ServerSpans | None = None, charging: Callable[[], bool] = lambda: False):
         super().__init__()
         self.pool = pool
         self.backoff = backoff
+        self.charging = charging  # is fair share on? Then outcomes charge their tenants' usage
         self.on_written = on_written  # after each commit of outcomes (limits may have room again)
         self.on_released = on_released  # after an agent's unstarted jobs are pending again
         self.latency = latency  # told which jobs ended (completion latency)
@@ -132,11 +135,13 @@ class Completer(Writer):
         started = self.spans.write_started() if self.spans is not None else 0
         accepted: set[int] = set()
         outcomes: dict[int, FailOutcome] = {}
+        charge = self.charging()
         if done:
-            accepted = await queue.complete_many(self.pool, [(m.id, m.lease_token, m.result) for _, m, _ in done])
+            accepted = await queue.complete_many(self.pool, [(m.id, m.lease_token, m.result) for _, m, _ in done],
+                                                 charge)
         if failed:
             outcomes = await queue.fail_many(
-                self.pool, [(m.id, m.lease_token, m.error, m.retryable) for _, m, _ in failed], self.backoff)
+                self.pool, [(m.id, m.lease_token, m.error, m.retryable) for _, m, _ in failed], self.backoff, charge)
         if orphans:
             await queue.release_jobs(self.pool, orphans, undelivered=True)
         # Committed: now take them off the queue and tell the agents.

@@ -20,6 +20,7 @@ from gpuq import db, logs, metrics, queue
 from gpuq.config import ServerConfig
 from gpuq.dispatcher.batching import Batching
 from gpuq.dispatcher.completer import Completer
+from gpuq.dispatcher.fairshare import FairShare
 from gpuq.dispatcher.groups import GroupLeases
 from gpuq.dispatcher.heartbeats import Heartbeats
 from gpuq.dispatcher.placing import Placing
@@ -44,8 +45,10 @@ class Dispatcher:
         self.sessions = Sessions()
         self.latency = JobLatency(enabled=False)  # the dashboard turns it on
         self.spans = ServerSpans()  # traced jobs' lease and completion spans (gpuq[otel])
+        self.fair_share = FairShare(pool, tuning)  # whether outcomes charge tenants' usage
         self.completer = Completer(pool, backoff or JobBackoff(), on_written=self._outcomes_written, latency=self.latency,
-                                   on_released=self._credit_freed, spans=self.spans)
+                                   on_released=self._credit_freed, spans=self.spans,
+                                   charging=lambda: self.fair_share.on)
         self.progress = ProgressWriter(pool, tuning.progress_write_seconds)
         self.heartbeats = Heartbeats(pool, config.lease_seconds, on_lost=self.sessions.cancel_on)
         self.trigger = LeaseTrigger(pool, config, tuning, on_kind=self._announced, on_cancel=self.sessions.cancel_running)
@@ -174,9 +177,10 @@ class Dispatcher:
             raise
 
     def _wait_left(self) -> float | None:
-        """Seconds until placement or batching wants a pass of its own (None: never)."""
+        """Seconds until placement, batching or a read of the weights wants a pass of its own (None: never)."""
         any_room = self.sessions.any_room()
-        waits = [w for w in (self.placing.wait_left(any_room), self.batching.wait_left(self.sessions) if any_room else None)
+        waits = [w for w in (self.placing.wait_left(any_room), self.batching.wait_left(self.sessions) if any_room else None,
+                             self.fair_share.wait_left())
                  if w is not None]
         return min(waits) if waits else None
 
@@ -189,6 +193,7 @@ class Dispatcher:
         delivered before the next."""
         stopping = lambda: self.stopping  # noqa: E731
         batched = self.batching.kinds
+        await self.fair_share.refresh(why)
         await self.batching.refresh(self.sessions, why)  # the batched kinds, before either leases
         if self.batching.kinds != batched:
             # Groups changed (sessions.group_kinds): a job announced to the old ones, and left

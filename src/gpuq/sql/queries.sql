@@ -14,45 +14,46 @@
 -- * Locked rows are updated by ctid: no primary-key descent per row.
 
 -- name: enqueue_plain
--- Insert jobs from parallel arrays, in input order (placement arrays $9-$13 NULL: none; batching arrays $14-$15 NULL: none), every one with the producer's trace $16, $17 (NULL: none); returns their ids in that order.
+-- Insert jobs from parallel arrays, in input order (placement arrays $9-$13 NULL: none; batching arrays $14-$15 NULL: none; tenants $16 NULL: the default), every one with the producer's trace $17, $18 (NULL: none); returns their ids in that order.
 INSERT INTO gpuq.jobs (kind, payload, priority, max_attempts, run_at, status, timeout_seconds,
-                       gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, traceparent, tracestate)
+                       gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant,
+                       traceparent, tracestate)
 SELECT kind, payload, priority, max_attempts, run_at,
        CASE WHEN run_at > now() THEN 'scheduled'::gpuq.job_status ELSE 'pending' END, timeout_seconds,
        coalesce(gpus, 0), gpu_memory_mb, coalesce(string_to_array(labels, ','), '{}'), model, concurrency_key,
-       cost, batch_key, $16::text, $17::text
+       cost, batch_key, tenant, $17::text, $18::text
 FROM (
     SELECT kind, coalesce(payload::jsonb, '{}'::jsonb) AS payload, priority, max_attempts,
            coalesce(run_at, now() + make_interval(secs => delay)) AS run_at, timeout_seconds,
-           gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, ord
+           gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant, ord
     FROM unnest($1::text[], $2::text[], $3::smallint[], $4::int[], $5::timestamptz[],
                 $6::float8[], $7::text[], $8::int[], $9::smallint[], $10::int[], $11::text[], $12::text[],
-                $13::text[], $14::bigint[], $15::text[])
+                $13::text[], $14::bigint[], $15::text[], $16::text[])
         WITH ORDINALITY AS t(kind, payload, priority, max_attempts, run_at, delay, dedup_key, timeout_seconds,
-                             gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, ord)
+                             gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant, ord)
 ) AS input
 ORDER BY ord
 RETURNING id;
 
 -- name: enqueue_dedup
--- Insert jobs with distinct dedup keys, with the producer's trace $16, $17 (NULL: none); a key with a live job gets that job's id (NULL if it committed after our snapshot).
+-- Insert jobs with distinct dedup keys (arrays as enqueue_plain's), with the producer's trace $17, $18 (NULL: none); a key with a live job gets that job's id (NULL if it committed after our snapshot).
 WITH input AS (
     SELECT kind, coalesce(payload::jsonb, '{}'::jsonb) AS payload, priority, max_attempts,
            coalesce(run_at, now() + make_interval(secs => delay)) AS run_at, dedup_key, timeout_seconds,
-           gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, ord
+           gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant, ord
     FROM unnest($1::text[], $2::text[], $3::smallint[], $4::int[], $5::timestamptz[],
                 $6::float8[], $7::text[], $8::int[], $9::smallint[], $10::int[], $11::text[], $12::text[],
-                $13::text[], $14::bigint[], $15::text[])
+                $13::text[], $14::bigint[], $15::text[], $16::text[])
         WITH ORDINALITY AS t(kind, payload, priority, max_attempts, run_at, delay, dedup_key, timeout_seconds,
-                             gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, ord)
+                             gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant, ord)
 ), ins AS (
     INSERT INTO gpuq.jobs (kind, payload, priority, max_attempts, run_at, status, dedup_key, timeout_seconds,
-                           gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key,
+                           gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant,
                            traceparent, tracestate)
     SELECT kind, payload, priority, max_attempts, run_at,
            CASE WHEN run_at > now() THEN 'scheduled'::gpuq.job_status ELSE 'pending' END, dedup_key,
            timeout_seconds, coalesce(gpus, 0), gpu_memory_mb, coalesce(string_to_array(labels, ','), '{}'),
-           model, concurrency_key, cost, batch_key, $16::text, $17::text
+           model, concurrency_key, cost, batch_key, tenant, $17::text, $18::text
     FROM input ORDER BY ord
     ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL AND status IN ('pending', 'leased', 'scheduled')
     DO NOTHING
@@ -232,6 +233,74 @@ SELECT pg_notify('gpuq_jobs', '*');
 -- Every kind's batching policy, by kind.
 SELECT kind, max_items, max_wait_ms, max_cost, updated_at FROM gpuq.batch_policies ORDER BY kind;
 
+-- name: tenant_set
+-- Tenant $1 weighs $2 ($2 NULL: its weight goes, back to 1; no weight left turns fair share off); wakes the dispatchers.
+WITH cleared AS (DELETE FROM gpuq.tenants WHERE name = $1 AND $2::float8 IS NULL RETURNING name),
+set AS (
+    INSERT INTO gpuq.tenants (name, weight) SELECT $1, $2 WHERE $2::float8 IS NOT NULL
+    ON CONFLICT (name) DO UPDATE SET weight = excluded.weight, updated_at = now()
+    RETURNING name
+)
+SELECT pg_notify('gpuq_jobs', '*');
+
+-- name: tenant_weights
+-- Every tenant's weight, by name (a few rows; fair share is on while there is one).
+SELECT name, weight, updated_at FROM gpuq.tenants ORDER BY name;
+
+-- name: half_life_set
+-- Usage halves every $1 seconds from now on, for every server.
+INSERT INTO gpuq.fair_share_settings (id, half_life_seconds) VALUES (true, $1)
+ON CONFLICT (id) DO UPDATE SET half_life_seconds = excluded.half_life_seconds;
+
+-- name: half_life
+-- Seconds in which usage halves.
+SELECT gpuq.half_life();
+
+-- name: tenant_usage
+-- While fair share is on (else nothing): each tenant with a weight, usage or work, its weight (1 without a row), usage decayed to now plus its running jobs' GPU-seconds so far, running jobs, and pending jobs counted up to $1 (jobs_tenant_pending_idx probes; the default tenant's from the pending indexes). O(tenants with work + $1 a tenant), never history.
+WITH RECURSIVE fair AS (
+    SELECT EXISTS (SELECT 1 FROM gpuq.tenants) AS on_
+), named AS (  -- each named tenant with jobs pending, one descent each
+    (SELECT tenant FROM gpuq.jobs WHERE status = 'pending' AND tenant IS NOT NULL AND (SELECT on_ FROM fair)
+     ORDER BY tenant LIMIT 1)
+    UNION ALL
+    SELECT n.tenant FROM named t CROSS JOIN LATERAL (
+        SELECT j.tenant FROM gpuq.jobs j WHERE j.status = 'pending' AND j.tenant IS NOT NULL AND j.tenant > t.tenant
+        ORDER BY j.tenant LIMIT 1) AS n
+), waiting AS (  -- pending jobs per tenant, each count stopping at $1
+    SELECT t.tenant, (SELECT count(*) FROM (SELECT FROM gpuq.jobs j WHERE j.status = 'pending'
+                                            AND j.tenant IS NOT NULL AND j.tenant = t.tenant LIMIT $1) AS c) AS n
+    FROM named t
+    UNION ALL
+    SELECT 'default', (SELECT count(*) FROM (SELECT FROM gpuq.jobs j WHERE j.status = 'pending' AND j.shape IS NULL
+                                             AND j.tenant IS NULL LIMIT $1) AS c)
+    WHERE (SELECT on_ FROM fair)
+    UNION ALL
+    SELECT 'default', (SELECT count(*) FROM (SELECT FROM gpuq.jobs j WHERE j.status = 'pending' AND j.shape IS NOT NULL
+                                             AND j.tenant IS NULL LIMIT $1) AS c)
+    WHERE (SELECT on_ FROM fair)
+), running AS (  -- jobs leased now (jobs_leased_idx), charged so far
+    SELECT coalesce(tenant, 'default') AS tenant, count(*) AS n,
+           sum(gpuq.gpu_seconds(started_at, now(), gpus, batch_size)) AS gpu_seconds
+    FROM gpuq.jobs WHERE status = 'leased' AND (SELECT on_ FROM fair) GROUP BY 1
+), used AS (
+    SELECT tenant, gpuq.decayed(usage, usage_at, (SELECT gpuq.half_life())) AS usage FROM gpuq.tenant_usage
+    WHERE (SELECT on_ FROM fair)
+), names AS (
+    SELECT name AS tenant FROM gpuq.tenants
+    UNION SELECT tenant FROM used WHERE usage > 0
+    UNION SELECT tenant FROM running
+    UNION SELECT tenant FROM waiting WHERE n > 0
+)
+SELECT n.tenant, coalesce(w.weight, 1)::float8 AS weight, w.name IS NOT NULL AS weighted,
+       (coalesce(u.usage, 0) + coalesce(r.gpu_seconds, 0))::float8 AS usage, coalesce(r.n, 0)::bigint AS running,
+       least($1, (SELECT coalesce(sum(q.n), 0) FROM waiting q WHERE q.tenant = n.tenant))::bigint AS pending
+FROM names n
+LEFT JOIN gpuq.tenants w ON w.name = n.tenant
+LEFT JOIN used u ON u.tenant = n.tenant
+LEFT JOIN running r ON r.tenant = n.tenant
+ORDER BY n.tenant;
+
 -- name: limits
 -- Every limit, with the jobs leased under it now (jobs_leased_idx for a kind, jobs_running_key_idx for a key).
 SELECT l.scope, l.name, l.max_running,
@@ -371,6 +440,55 @@ RETURNING j.id, j.status, j.run_at
 )
 SELECT id, status, run_at FROM failed WHERE (SELECT count(*) FROM told) >= 0;
 
+-- name: complete_many_charged
+-- complete_many while fair share is on (gpuq.tenants has a row): each job's GPU-seconds also go to its tenant's decayed usage (one upsert, tenants in name order).
+WITH done AS (
+    UPDATE gpuq.jobs j
+    SET status = 'done', result = d.result::jsonb, finished_at = now(), lease_expires_at = NULL
+    FROM unnest($1::bigint[], $2::uuid[], $3::text[]) AS d(id, token, result)
+    WHERE j.id = d.id AND j.status::text = 'leased' AND j.lease_token = d.token
+    RETURNING j.id, j.tenant, gpuq.gpu_seconds(j.started_at, now(), j.gpus, j.batch_size) AS charge
+), charged AS (
+    INSERT INTO gpuq.tenant_usage AS u (tenant, usage, usage_at)
+    SELECT coalesce(tenant, 'default'), sum(charge), now() FROM done GROUP BY 1 ORDER BY 1
+    ON CONFLICT (tenant) DO UPDATE
+    SET usage = gpuq.decayed(u.usage, u.usage_at, (SELECT gpuq.half_life())) + excluded.usage,
+        usage_at = greatest(u.usage_at, excluded.usage_at)
+), told AS (  -- one NOTIFY per 300 ids (its payload limit), in this transaction: sent when it commits
+    SELECT pg_notify('gpuq_outcomes', string_agg(id::text, ',')) FROM (
+        SELECT id, (row_number() OVER () - 1) / 300 AS chunk FROM done) AS c GROUP BY chunk
+)
+SELECT id FROM done WHERE (SELECT count(*) FROM told) >= 0;
+
+-- name: fail_many_charged
+-- fail_many while fair share is on (gpuq.tenants has a row): each attempt's GPU-seconds also go to its tenant's decayed usage (one upsert, tenants in name order).
+WITH f AS (
+    SELECT * FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::bool[]) AS f(id, token, error, retryable)
+), failed AS (
+UPDATE gpuq.jobs j
+SET status = CASE WHEN f.retryable AND j.attempts < j.max_attempts
+                  THEN 'scheduled'::gpuq.job_status ELSE 'dead' END,
+    run_at = CASE WHEN f.retryable AND j.attempts < j.max_attempts
+                  THEN now() + make_interval(secs => least($6::float8, $5::float8 * power(2, j.attempts - 1))
+                                                     * (1 - $7::float8 * random()))
+                  ELSE j.run_at END,
+    finished_at = CASE WHEN f.retryable AND j.attempts < j.max_attempts THEN NULL ELSE now() END,
+    last_error = f.error, lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
+FROM f
+WHERE j.id = f.id AND j.status::text = 'leased' AND j.lease_token = f.token
+RETURNING j.id, j.status, j.run_at, j.tenant, gpuq.gpu_seconds(j.started_at, now(), j.gpus, j.batch_size) AS charge
+), charged AS (
+    INSERT INTO gpuq.tenant_usage AS u (tenant, usage, usage_at)
+    SELECT coalesce(tenant, 'default'), sum(charge), now() FROM failed GROUP BY 1 ORDER BY 1
+    ON CONFLICT (tenant) DO UPDATE
+    SET usage = gpuq.decayed(u.usage, u.usage_at, (SELECT gpuq.half_life())) + excluded.usage,
+        usage_at = greatest(u.usage_at, excluded.usage_at)
+), told AS (
+    SELECT pg_notify('gpuq_outcomes', string_agg(id::text, ',')) FROM (
+        SELECT id, (row_number() OVER () - 1) / 300 AS chunk FROM failed WHERE status = 'dead') AS c GROUP BY chunk
+)
+SELECT id, status, run_at FROM failed WHERE (SELECT count(*) FROM told) >= 0;
+
 -- name: record_progress
 -- Store running jobs' latest progress where (id, lease_token) still holds the lease, and tell waiters (gpuq_progress); returns the ids written.
 WITH written AS (
@@ -394,18 +512,29 @@ WHERE id = ANY($1::bigint[]) AND status::text = 'leased' AND leased_by = $2
 RETURNING id;
 
 -- name: release_agent
--- An agent left: its leased jobs go back to pending (dead, with error $2, when out of attempts); only ids $3 had started: the others (prefetched, or still on their way) go back without counting the attempt.
-UPDATE gpuq.jobs j
-SET status = CASE WHEN j.attempts >= j.max_attempts AND picked.started THEN 'dead'::gpuq.job_status
-                  ELSE 'pending' END,
-    finished_at = CASE WHEN j.attempts >= j.max_attempts AND picked.started THEN now() END,
-    last_error = CASE WHEN j.attempts >= j.max_attempts AND picked.started THEN $2 ELSE j.last_error END,
-    attempts = j.attempts - (NOT picked.started)::int,
-    lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
-FROM (SELECT id, id = ANY($3::bigint[]) AS started FROM gpuq.jobs
-      WHERE status = 'leased' AND leased_by = $1 FOR UPDATE) AS picked
-WHERE j.id = picked.id
-RETURNING j.id, j.kind, j.status;
+-- An agent left: its leased jobs go back to pending (dead, with error $2, when out of attempts); only ids $3 had started: the others (prefetched, or still on their way) go back without counting the attempt, nor (fair share on) charging it.
+WITH moved AS (
+    UPDATE gpuq.jobs j
+    SET status = CASE WHEN j.attempts >= j.max_attempts AND picked.started THEN 'dead'::gpuq.job_status
+                      ELSE 'pending' END,
+        finished_at = CASE WHEN j.attempts >= j.max_attempts AND picked.started THEN now() END,
+        last_error = CASE WHEN j.attempts >= j.max_attempts AND picked.started THEN $2 ELSE j.last_error END,
+        attempts = j.attempts - (NOT picked.started)::int,
+        lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
+    FROM (SELECT id, id = ANY($3::bigint[]) AS started FROM gpuq.jobs
+          WHERE status = 'leased' AND leased_by = $1 FOR UPDATE) AS picked
+    WHERE j.id = picked.id
+    RETURNING j.id, j.kind, j.status, j.tenant,
+              CASE WHEN picked.started THEN gpuq.gpu_seconds(j.started_at, now(), j.gpus, j.batch_size) ELSE 0 END AS charge
+), charged AS (  -- only while fair share is on (gpuq.tenants has a row)
+    INSERT INTO gpuq.tenant_usage AS u (tenant, usage, usage_at)
+    SELECT coalesce(tenant, 'default'), sum(charge), now() FROM moved
+    WHERE EXISTS (SELECT 1 FROM gpuq.tenants) GROUP BY 1 ORDER BY 1
+    ON CONFLICT (tenant) DO UPDATE
+    SET usage = gpuq.decayed(u.usage, u.usage_at, (SELECT gpuq.half_life())) + excluded.usage,
+        usage_at = greatest(u.usage_at, excluded.usage_at)
+)
+SELECT id, kind, status FROM moved;
 
 -- name: release_unstarted
 -- An agent gives back jobs it will not start (prefetched, then draining): ids $1 still leased with tokens $2 go back to pending, the attempt not counted.
@@ -429,33 +558,53 @@ WHERE j.id = picked.id
 RETURNING j.id, j.kind, j.status;
 
 -- name: reclaim_expired
--- Up to $1 expired leases, oldest expiry first, back to pending (dead, with error $2, when out of attempts).
-UPDATE gpuq.jobs j
-SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead'::gpuq.job_status ELSE 'pending' END,
-    finished_at = CASE WHEN j.attempts >= j.max_attempts THEN now() END,
-    last_error = CASE WHEN j.attempts >= j.max_attempts THEN $2 ELSE j.last_error END,
-    lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
-FROM (SELECT id FROM gpuq.jobs WHERE status = 'leased' AND lease_expires_at < now()
-      ORDER BY lease_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED) AS picked
-WHERE j.id = picked.id
-RETURNING j.id, j.kind, j.status;
+-- Up to $1 expired leases, oldest expiry first, back to pending (dead, with error $2, when out of attempts); fair share on, each attempt charges its GPU-seconds until its lease expired.
+WITH moved AS (
+    UPDATE gpuq.jobs j
+    SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead'::gpuq.job_status ELSE 'pending' END,
+        finished_at = CASE WHEN j.attempts >= j.max_attempts THEN now() END,
+        last_error = CASE WHEN j.attempts >= j.max_attempts THEN $2 ELSE j.last_error END,
+        lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
+    FROM (SELECT id, lease_expires_at FROM gpuq.jobs WHERE status = 'leased' AND lease_expires_at < now()
+          ORDER BY lease_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED) AS picked
+    WHERE j.id = picked.id
+    RETURNING j.id, j.kind, j.status, j.tenant,
+              gpuq.gpu_seconds(j.started_at, picked.lease_expires_at, j.gpus, j.batch_size) AS charge
+), charged AS (  -- only while fair share is on (gpuq.tenants has a row)
+    INSERT INTO gpuq.tenant_usage AS u (tenant, usage, usage_at)
+    SELECT coalesce(tenant, 'default'), sum(charge), now() FROM moved
+    WHERE EXISTS (SELECT 1 FROM gpuq.tenants) GROUP BY 1 ORDER BY 1
+    ON CONFLICT (tenant) DO UPDATE
+    SET usage = gpuq.decayed(u.usage, u.usage_at, (SELECT gpuq.half_life())) + excluded.usage,
+        usage_at = greatest(u.usage_at, excluded.usage_at)
+)
+SELECT id, kind, status FROM moved;
 
 -- name: expire_deadlines
--- Up to $1 attempts still leased $2 seconds past their deadline fail with 'timeout': retried after the backoff ($3 base, $4 cap) while attempts remain, else dead.
+-- Up to $1 attempts still leased $2 seconds past their deadline fail with 'timeout': retried after the backoff ($3 base, $4 cap) while attempts remain, else dead; fair share on, each charges its GPU-seconds.
 WITH over AS (
     SELECT id FROM gpuq.jobs WHERE status = 'leased' AND deadline_at < now() - make_interval(secs => $2)
     ORDER BY deadline_at LIMIT $1 FOR UPDATE SKIP LOCKED
+), moved AS (
+    UPDATE gpuq.jobs j
+    SET status = CASE WHEN j.attempts < j.max_attempts THEN 'scheduled'::gpuq.job_status ELSE 'dead' END,
+        run_at = CASE WHEN j.attempts < j.max_attempts
+                      THEN now() + make_interval(secs => least($4::float8, $3::float8 * power(2, j.attempts - 1)))
+                      ELSE j.run_at END,
+        finished_at = CASE WHEN j.attempts < j.max_attempts THEN NULL ELSE now() END,
+        last_error = 'timeout', lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
+    FROM over
+    WHERE j.id = over.id
+    RETURNING j.id, j.kind, j.status, j.tenant, gpuq.gpu_seconds(j.started_at, now(), j.gpus, j.batch_size) AS charge
+), charged AS (  -- only while fair share is on (gpuq.tenants has a row)
+    INSERT INTO gpuq.tenant_usage AS u (tenant, usage, usage_at)
+    SELECT coalesce(tenant, 'default'), sum(charge), now() FROM moved
+    WHERE EXISTS (SELECT 1 FROM gpuq.tenants) GROUP BY 1 ORDER BY 1
+    ON CONFLICT (tenant) DO UPDATE
+    SET usage = gpuq.decayed(u.usage, u.usage_at, (SELECT gpuq.half_life())) + excluded.usage,
+        usage_at = greatest(u.usage_at, excluded.usage_at)
 )
-UPDATE gpuq.jobs j
-SET status = CASE WHEN j.attempts < j.max_attempts THEN 'scheduled'::gpuq.job_status ELSE 'dead' END,
-    run_at = CASE WHEN j.attempts < j.max_attempts
-                  THEN now() + make_interval(secs => least($4::float8, $3::float8 * power(2, j.attempts - 1)))
-                  ELSE j.run_at END,
-    finished_at = CASE WHEN j.attempts < j.max_attempts THEN NULL ELSE now() END,
-    last_error = 'timeout', lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
-FROM over
-WHERE j.id = over.id
-RETURNING j.id, j.kind, j.status;
+SELECT id, kind, status FROM moved;
 
 -- name: promote_due
 -- Up to $1 scheduled jobs whose run_at has come become pending.
@@ -509,7 +658,7 @@ SELECT id, kind, status::text AS status, priority, attempts, max_attempts, paylo
        result::text AS result, last_error, leased_by, lease_expires_at, run_at, created_at, started_at,
        finished_at, dedup_key, timeout_seconds, deadline_at, progress::text AS progress,
        gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, batch_id, batch_size,
-       traceparent, tracestate
+       traceparent, tracestate, coalesce(tenant, 'default') AS tenant
 FROM gpuq.jobs WHERE id = $1;
 
 -- name: job_attempts

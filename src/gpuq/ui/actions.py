@@ -97,7 +97,6 @@ async def set_timeout(pool: Any, query: dict[str, str]) -> Outcome:
     return HTTPStatus.OK, f"{kind}: " + ("no default timeout" if seconds is None else f"{seconds} s")
 
 
-
 async def set_batching(pool: Any, query: dict[str, str]) -> Outcome:
     """``gpuq batch KIND --max-items N [--max-wait-ms MS] [--max-cost C]``: sets or replaces the kind's policy
     (blank max_wait_ms: 0, blank max_cost: no budget); ``admin.set_batching`` checks the ranges."""
@@ -119,10 +118,29 @@ async def remove_batching(pool: Any, query: dict[str, str]) -> Outcome:
     return DONE
 
 
+async def set_tenant(pool: Any, query: dict[str, str]) -> Outcome:
+    """``gpuq tenant set NAME --weight W``: sets or replaces the tenant's weight (fair share goes on)."""
+    name, weight = query.get("name", "").strip(), params.number(query, "weight")
+    if weight is None:  # None would remove the weight: that is the Remove button's
+        raise ValueError("give a weight, more than 0 (Remove takes a weight away)")
+    await admin.set_tenant(pool, name, weight)
+    log.info("ui.action", action="set_tenant", tenant=name, weight=weight)
+    return HTTPStatus.OK, f"{name}: weight {weight:g}"
+
+
+async def remove_tenant(pool: Any, query: dict[str, str]) -> Outcome:
+    """``gpuq tenant set NAME none``: the tenant weighs 1 again (no weight left: fair share goes off)."""
+    name = query.get("name", "").strip()
+    await admin.set_tenant(pool, name, None)
+    log.info("ui.action", action="remove_tenant", tenant=name)
+    return DONE
+
+
 ACTIONS: dict[str, Callable[[Any, dict[str, str]], Awaitable[Outcome]]] = {
     "/ui/kinds/pause": pause, "/ui/kinds/resume": resume, "/ui/jobs/cancel": cancel, "/ui/jobs/retry": retry,
     "/ui/schedules/add": add_schedule, "/ui/schedules/remove": remove_schedule,
     "/ui/limits/set": set_limit, "/ui/timeouts/set": set_timeout,
     "/ui/batching/set": set_batching, "/ui/batching/remove": remove_batching,
+    "/ui/tenants/set": set_tenant, "/ui/tenants/remove": remove_tenant,
 }
 

@@ -29,6 +29,17 @@ def whole(params: dict[str, str], name: str) -> int | None:
         raise ValueError(f"{name} must be a whole number, not {text[:30]!r}") from None
 
 
+def number(params: dict[str, str], name: str) -> float | None:
+    """A number parameter (blank: None)."""
+    text = params.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, not {text[:30]!r}") from None
+
+
 def checked_kind(kind: str) -> str:
     if not is_kind(kind):
         raise ValueError(f"bad job kind {kind!r}: {KIND_RULE}")

@@ -17,7 +17,7 @@ from gpuq.jobs import LIST_STATES, JobFilter, error_line
 
 async def overview(fleet: Fleet) -> dict[str, Any]:
     """Per kind: pending, leased, scheduled, paused, unplaceable, the oldest pending job's age;
-    the fleet: agents, busy fraction."""
+    the fleet: agents, busy fraction; while fair share is on, each tenant's usage and shares."""
     counts = await admin.status_counts(fleet.pool)
     unplaceable = await fleet.unplaceable()
     kinds = sorted({k for by_kind in counts.live.values() for k in by_kind} | set(counts.paused) | set(unplaceable))
@@ -31,7 +31,8 @@ async def overview(fleet: Fleet) -> dict[str, Any]:
         "oldest_pending": age(counts.oldest_pending_by_kind.get(k)),
     } for k in kinds]
     return {"kinds": rows, "agents": fleet.agent_count, "history_estimate": counts.history_estimate,
-            "busy_fraction": fleet.busy()["busy_fraction"], "read_at": datetime.now(UTC)}
+            "busy_fraction": fleet.busy()["busy_fraction"], "read_at": datetime.now(UTC),
+            "tenants": await admin.tenants(fleet.pool)}
 
 
 def agents(fleet: Fleet) -> list[dict[str, Any]]:
@@ -97,11 +98,12 @@ def pretty(value: Any) -> str | None:
 
 async def controls(fleet: Fleet) -> dict[str, Any]:
     """What operators set with the CLI: paused kinds, limits (with what runs under each), kinds'
-    default timeouts, batching policies, periodic jobs. Small tables; a limit's count reads the leased
-    partial indexes."""
+    default timeouts, batching policies, tenants' weights (with their usage), periodic jobs. Small
+    tables; a limit's count reads the leased partial indexes, the tenants' as ``admin.tenants``."""
     pool = fleet.pool
     return {"paused": await admin.paused(pool), "limits": await admin.limits(pool),
             "timeouts": await admin.kind_timeouts(pool), "batching": await admin.batching(pool),
+            "tenants": await admin.tenants(pool), "half_life": await admin.half_life(pool),
             "schedules": await schedules.listing(pool)}
 
 
