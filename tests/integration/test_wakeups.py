@@ -138,14 +138,17 @@ async def test_a_job_committed_as_the_dispatcher_goes_idle_needs_no_poll(dsn, po
                         while True:
                             tx = slow.transaction()
                             await tx.start()
-                            if await slow.fetchval(INSERT_IF_LAPSED) and await slow.fetchval(MARK_LAPSED):
-                                break  # the mark only moves forward, by more than this took: no NOTIFY
+                            if await slow.fetchval(INSERT_IF_LAPSED):
+                                # An arm from here on comes after the insert: one before it moved
+                                # the mark, and the check below fails.
+                                armed_before = lapsed_arms()
+                                if await slow.fetchval(MARK_LAPSED):
+                                    break  # the mark only moves forward, by more than this took: no NOTIFY
                             await tx.rollback()
                             await anyio.sleep(0.01)  # not a settle wait: the retry's interval
                     await anyio.sleep(0.05)  # not a settle wait: the stream (busy polls) goes on past the insert
-                    idle_before = lapsed_arms()
-                    stream_done.set()  # the dispatcher finds no more work and goes idle,
-                    await wait_for(lambda: lapsed_arms() > idle_before)  # finds the mark lapsed: waits on stragglers
+                    stream_done.set()  # the dispatcher finds no more work and goes idle (it may have already),
+                    await wait_for(lambda: lapsed_arms() > armed_before)  # finds the mark lapsed: waits on stragglers
                     await tx.commit()
                 finally:
                     await pool.release(slow)
