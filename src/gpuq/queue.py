@@ -196,10 +196,10 @@ def _placed_jobs(shape: Shape, rows: list[Any]) -> list[LeasedJob]:
     return [_placed(shape, r) for r in sorted(rows, key=_BY_SLOT)]
 
 
-def _placed(shape: Shape, r: Any) -> LeasedJob:
+def _placed(shape: Shape, r: Any, batch: int | None = None) -> LeasedJob:
     return LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
                      r["leased_by"], r["payload_json"], r["timeout_seconds"], shape.gpus, shape.gpu_memory_mb,
-                     r["queued_ms"], shape.model,
+                     r["queued_ms"], shape.model, batch,
                      trace=None if (tp := r["traceparent"]) is None else (tp, r["tracestate"]))
 
 
@@ -245,7 +245,8 @@ async def lease_batched(db: DB, kind: str, batches: Sequence[tuple[str, Sequence
                         lease_seconds: float, shape: Shape | None = None) -> dict[int, LeasedJob]:
     """Lease batches of pending jobs of ``kind``, plain ones or those of ``shape``: ``(agent, job ids)``
     each, recorded on each job as ``batch_id`` (its first job's id) and ``batch_size``; each leased
-    job by id (one leased, cancelled or paused since ``batch_head`` is not among them)."""
+    job by id, its ``batch`` that id (one leased, cancelled or paused since ``batch_head`` is not
+    among them)."""
     ids, agents, batch_ids, sizes = [], [], [], []
     for agent, members in batches:
         for job_id in members:
@@ -256,8 +257,8 @@ async def lease_batched(db: DB, kind: str, batches: Sequence[tuple[str, Sequence
     rows = await db.fetch(queries["lease_batched"], kind, ids, agents, lease_seconds, batch_ids, sizes,
                           None if shape is None else shape.digest)
     if shape is None:
-        return {r["id"]: _leased(r) for r in rows}
-    return {r["id"]: _placed(shape, r) for r in rows}
+        return {r["id"]: _leased(r, r["batch_id"]) for r in rows}
+    return {r["id"]: _placed(shape, r, r["batch_id"]) for r in rows}
 
 
 async def placed_pending(db: DB) -> dict[tuple[str, str], tuple[int, datetime]]:
@@ -265,10 +266,10 @@ async def placed_pending(db: DB) -> dict[tuple[str, str], tuple[int, datetime]]:
     return {(r["kind"], r["shape"]): (r["n"], r["oldest"]) for r in await db.fetch(queries["placed_pending"])}
 
 
-def _leased(r: Any) -> LeasedJob:
+def _leased(r: Any, batch: int | None = None) -> LeasedJob:
     return LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
                      r["leased_by"], r["payload_json"], r["timeout_seconds"], queued_ms=r.get("queued_ms"),
-                     trace=None if (tp := r["traceparent"]) is None else (tp, r["tracestate"]))
+                     batch=batch, trace=None if (tp := r["traceparent"]) is None else (tp, r["tracestate"]))
 
 
 # --------------------------------------------------------------------------

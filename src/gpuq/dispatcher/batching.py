@@ -169,7 +169,7 @@ async def lease_formed(pool: Any, config: ServerConfig, kind: str, sent: list[ba
             metrics.BATCH_SIZE.labels(kind=kind).observe(len(members))
             for j in members:
                 metrics.BATCH_FORMING_SECONDS.labels(kind=kind).observe(j.waited_ms / 1000)
-        out += [dataclasses.replace(leased[j.id], batch=batch.jobs[0].id) for j in members]
+        out += [leased[j.id] for j in members]
     log.info("lease.batches", kind=kind, batches=len(sent), jobs=len(out), gpus=shape.gpus if shape else 0)
     return out
 

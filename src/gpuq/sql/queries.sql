@@ -362,7 +362,7 @@ WHERE j.ctid = p.ctid
 RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token, j.priority, j.leased_by,
           j.payload::text AS payload_json,
           coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds,
-          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.traceparent, j.tracestate;
+          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.batch_id, j.traceparent, j.tracestate;
 
 -- name: placed_head
 -- Seconds the next pending job of kind $1 and shape $2 has been due (jobs_placed_idx; no row: none pending).
