@@ -47,6 +47,19 @@ async def explain(conn: Any, statement: str, *args: Any) -> dict[str, Any]:
     return dict(plan)
 
 
+async def explain_warm(conn: Any, statement: str, *args: Any) -> dict[str, Any]:
+    """``explain`` run twice: the second plan, with the caches and the plan warm (what a statement
+    that runs again and again reads)."""
+    await explain(conn, statement, *args)
+    return await explain(conn, statement, *args)
+
+
+async def statements_buffers(conn: Any, statements: Mapping[str, tuple[Any, ...]]) -> dict[str, int]:
+    """Buffers each ``name -> (statement, *args)`` reads, warm (``explain_warm``)."""
+    return {name: plan_buffers(await explain_warm(conn, statement, *args))
+            for name, (statement, *args) in statements.items()}
+
+
 async def explain_lease(conn: Any, kinds: Sequence[str], n: int,
                         cursors: Mapping[str, tuple[int, int]] | None = None) -> dict[str, Any]:
     """The executed plan of leasing ``n`` jobs of ``kinds`` (from ``cursors``), rolled back."""

@@ -244,11 +244,7 @@ async def _batch_buffers(conn) -> dict[str, int]:
     statements = {"head": (queries["batch_head"], "train", 128),
                   "head_placed": (queries["batch_head_placed"], "train", gpu.digest, 128),
                   "lease": (queries["lease_batched"], "train", ids, ["x"] * 64, 30.0, [ids[0]] * 64, [64] * 64, None)}
-    out = {}
-    for name, (statement, *args) in statements.items():
-        await plans.explain(conn, statement, *args)  # warm the caches and the plan
-        out[name] = plans.plan_buffers(await plans.explain(conn, statement, *args))
-    return out
+    return await plans.statements_buffers(conn, statements)
 
 
 async def test_forming_and_leasing_batches_ignore_done_history(conn):

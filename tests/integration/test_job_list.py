@@ -200,8 +200,7 @@ async def _buffers(conn) -> dict[str, tuple[int, set[str]]]:
     for label, statements in _pages(top, dead_id).items():
         buffers, indexes = 0, set()
         for name, args in statements:
-            await plans.explain(conn, queries[name], *args)  # warm the caches and the plan
-            plan = await plans.explain(conn, queries[name], *args)
+            plan = await plans.explain_warm(conn, queries[name], *args)
             buffers += plans.plan_buffers(plan)
             indexes |= plans.plan_indexes(plan)
         out[label] = (buffers, indexes)

@@ -369,11 +369,7 @@ async def _lease_buffers(conn) -> dict[str, int]:
     slots = ["explain"] * 32
     statements = {"placed": (queries["lease_placed"], one_gpu.kind, one_gpu.digest, slots, 30.0),
                   "plain": (queries["lease_slots"], *plans.lease_args(["train"], slots, 30.0))}
-    out = {}
-    for name, (statement, *args) in statements.items():
-        await plans.explain(conn, statement, *args)  # warm the caches and the plan
-        out[name] = plans.plan_buffers(await plans.explain(conn, statement, *args))
-    return out
+    return await plans.statements_buffers(conn, statements)
 
 
 async def test_100k_unplaceable_jobs_ahead_cost_a_lease_nothing(conn):
