@@ -177,6 +177,17 @@ async def lease_slots(db: DB, kinds: Sequence[str], slots: Sequence[str], lease_
 _BY_SLOT = operator.itemgetter("slot")
 
 
+async def lease_fair(db: DB, kinds: Sequence[str], tickets: Sequence[str], slots: Sequence[str],
+                     lease_seconds: float) -> list[tuple[LeasedJob, str, int]]:
+    """Fair share on: lease up to ``len(slots)`` plain jobs of ``kinds`` by ``tickets`` (tenants in
+    the fair order, ``dispatcher/fairorder.py``); the i-th job goes to ``slots[i]``. Returns each job
+    with its tenant and the (0-based) ticket it filled. No phase 2: the sweeper reclaims."""
+    if not slots or not kinds or not tickets:
+        return []
+    rows = await db.fetch(queries["lease_fair"], list(kinds), list(tickets), list(slots), lease_seconds)
+    return [(_leased(r), r["tenant"], r["ticket"] - 1) for r in sorted(rows, key=_BY_SLOT)]
+
+
 async def read_shapes(db: DB) -> list[Shape]:
     """Every placement class ever enqueued (gpuq.shapes: a few rows)."""
     return [Shape(r["kind"], r["shape"], r["gpus"], r["gpu_memory_mb"], frozenset(r["labels"]), r["model"],

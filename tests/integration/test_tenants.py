@@ -286,7 +286,7 @@ async def test_the_tenants_read_and_the_charged_outcomes_read_no_history(conn):
     await conn.execute("ANALYZE gpuq.jobs")
     plan = await plans.explain(conn, queries["tenant_usage"], 1000)
     # gpuq.tenant_usage is read whole: a row per tenant charged, never a job's.
-    assert plans.plan_indexes(plan) <= {"jobs_tenant_pending_idx", "jobs_pending_idx", "jobs_placed_idx",
+    assert plans.plan_indexes(plan) <= {"jobs_tenant_pending_idx", "jobs_pending_idx", "jobs_placed_idx", "jobs_fair_idx",
                                         "jobs_leased_idx", "tenants_pkey", "tenant_usage_pkey",
                                         "seqscan:tenant_usage"}, plans.plan_indexes(plan)
     assert plans.plan_buffers(plan) < 150, plans.plan_buffers(plan)  # 43 measured

@@ -1,0 +1,45 @@
+-- Fair share between tenants (issue #32), second part: the lease order
+-- (docs/design.md, "Fair share: the lease order").
+--
+-- Plain pending jobs by kind, then tenant (NULL: the default tenant, last),
+-- then the lease order within a tenant. While fair share is on, the lease reads
+-- each chosen tenant's next jobs of a kind with one descent, and finds the
+-- tenants with work with a loose scan: one descent per (kind, tenant) with
+-- jobs pending. Never history: done, dead and leased rows have no entry.
+CREATE INDEX jobs_fair_idx ON gpuq.jobs (kind, tenant, (-priority), id) WHERE status = 'pending' AND shape IS NULL;
+
+-- How many attempts a tenant's usage came from (decayed like it): usage ÷
+-- attempts is what the tenant's next job is expected to charge. And the usage
+-- it counts as having at least (decayed like it): a tenant that comes back
+-- from idle is lifted to the least busy tenant's, so it cannot bank credit.
+ALTER TABLE gpuq.tenant_usage ADD COLUMN attempts float8 NOT NULL DEFAULT 0;
+ALTER TABLE gpuq.tenant_usage ADD COLUMN usage_floor float8 NOT NULL DEFAULT 0;
+
+-- Every (kind, tenant) with plain jobs pending (tenant NULL: the default
+-- tenant), by a loose scan of jobs_fair_idx: a descent per kind, then one
+-- per tenant of each kind. O(pairs with work), never history.
+CREATE FUNCTION gpuq.tenants_waiting() RETURNS TABLE (kind text, tenant text)
+LANGUAGE sql STABLE AS $$
+    WITH RECURSIVE kinds AS (
+        (SELECT j.kind FROM gpuq.jobs j WHERE j.status = 'pending' AND j.shape IS NULL ORDER BY j.kind LIMIT 1)
+        UNION ALL
+        SELECT n.kind FROM kinds k CROSS JOIN LATERAL (
+            SELECT j.kind FROM gpuq.jobs j WHERE j.status = 'pending' AND j.shape IS NULL AND j.kind > k.kind
+            ORDER BY j.kind LIMIT 1) AS n
+    ), named AS (
+        SELECT k.kind, f.tenant FROM kinds k CROSS JOIN LATERAL (
+            SELECT j.tenant FROM gpuq.jobs j
+            WHERE j.status = 'pending' AND j.shape IS NULL AND j.kind = k.kind AND j.tenant IS NOT NULL
+            ORDER BY j.tenant LIMIT 1) AS f
+        UNION ALL
+        SELECT t.kind, n.tenant FROM named t CROSS JOIN LATERAL (
+            SELECT j.tenant FROM gpuq.jobs j
+            WHERE j.status = 'pending' AND j.shape IS NULL AND j.kind = t.kind AND j.tenant > t.tenant
+            ORDER BY j.tenant LIMIT 1) AS n
+    )
+    SELECT kind, tenant FROM named
+    UNION ALL
+    SELECT k.kind, NULL FROM kinds k
+    WHERE EXISTS (SELECT 1 FROM gpuq.jobs j WHERE j.status = 'pending' AND j.shape IS NULL AND j.kind = k.kind
+                  AND j.tenant IS NULL)
+$$;
