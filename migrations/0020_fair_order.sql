@@ -43,3 +43,12 @@ LANGUAGE sql STABLE AS $$
     WHERE EXISTS (SELECT 1 FROM gpuq.jobs j WHERE j.status = 'pending' AND j.shape IS NULL AND j.kind = k.kind
                   AND j.tenant IS NULL)
 $$;
+
+-- What an attempt charges when its run time is known (the agent told when its
+-- handler started: a prefetched job's wait in the agent is not run time),
+-- else since its lease; times its GPUs, shared by the jobs of its batch.
+CREATE FUNCTION gpuq.gpu_seconds(started timestamptz, ended timestamptz, gpus int, batch_size int, ran float8)
+RETURNS float8 LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN ran IS NULL THEN gpuq.gpu_seconds(started, ended, gpus, batch_size)
+                ELSE greatest(0, ran) * greatest(gpus, 1) / greatest(coalesce(batch_size, 1), 1) END
+$$;

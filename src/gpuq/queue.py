@@ -1,13 +1,11 @@
 """The Python API of the job lifecycle over the named statements of ``sql/queries.sql``.
 
-Enqueue, lease, complete, fail, heartbeat, release, reclaim, promote, prune:
-the SQL lives there, written out in full; this module only shapes arguments
-and rows (the types are ``gpuq.jobs``'; the operator's control and reads are
-``gpuq.admin``; notifications and the wake-up handshake ``gpuq.wakeups``).
-Every hot statement reaches rows through a partial index over a live status,
-so its cost is O(rows it returns) whatever the done/dead history
-(docs/design.md). Functions take ``db`` (``gpuq.sql.DB``): an asyncpg
-Connection or Pool. Every value travels as a bind parameter.
+Enqueue, lease, complete, fail, heartbeat, release, reclaim, promote, prune: the SQL lives
+there, written out in full; this module only shapes arguments and rows (the types are
+``gpuq.jobs``'; the operator's control and reads are ``gpuq.admin``; notifications and the
+wake-up handshake ``gpuq.wakeups``). Every hot statement reaches rows through a partial index
+over a live status, so its cost is O(rows it returns) whatever the done/dead history
+(docs/design.md). Functions take ``db`` (``gpuq.sql.DB``): an asyncpg Connection or Pool.
 """
 
 from __future__ import annotations
@@ -179,9 +177,8 @@ _BY_SLOT = operator.itemgetter("slot")
 
 async def lease_fair(db: DB, kinds: Sequence[str], tickets: Sequence[str], slots: Sequence[str],
                      lease_seconds: float) -> list[tuple[LeasedJob, str, int]]:
-    """Fair share on: lease up to ``len(slots)`` plain jobs of ``kinds`` by ``tickets`` (tenants in
-    the fair order, ``dispatcher/fairorder.py``); the i-th job goes to ``slots[i]``. Returns each job
-    with its tenant and the (0-based) ticket it filled. No phase 2: the sweeper reclaims."""
+    """Fair share on: up to ``len(slots)`` plain jobs of ``kinds`` by ``tickets`` (``dispatcher/fairorder.py``),
+    the i-th to ``slots[i]``; each with its tenant and (0-based) ticket. No phase 2: the sweeper reclaims."""
     if not slots or not kinds or not tickets:
         return []
     rows = await db.fetch(queries["lease_fair"], list(kinds), list(tickets), list(slots), lease_seconds)
@@ -287,13 +284,13 @@ def _leased(r: Any, batch: int | None = None) -> LeasedJob:
 # Outcomes: fenced by (status = 'leased', lease_token)
 # --------------------------------------------------------------------------
 
-async def complete_many(db: DB, results: Iterable[tuple[int, str, Any]], charge: bool = False) -> set[int]:
+async def complete_many(db: DB, results: Iterable[tuple[int, str, Any]], charge: bool = False,
+                        ran: Sequence[float | None] | None = None) -> set[int]:
     """Mark jobs done where (id, lease_token) still holds the lease.
 
-    Returns the ids that were accepted; any other id was rejected by fencing
-    (its lease was reclaimed or it is no longer leased) and changed nothing.
-    ``charge`` (fair share is on): each job's GPU-seconds also go to its
-    tenant's usage, in the same statement; off, the statement is the plain one.
+    Returns the ids accepted; any other was rejected by fencing (its lease was reclaimed or it is
+    no longer leased) and changed nothing. ``charge`` (fair share on): each job's GPU-seconds (``ran``:
+    its run time where known, else its lease's age) go to its tenant's usage in the same statement.
     """
     ids, tokens, values = [], [], []
     for job_id, token, result in results:
@@ -302,7 +299,8 @@ async def complete_many(db: DB, results: Iterable[tuple[int, str, Any]], charge:
         values.append(_jsonb_param(result))
     if not ids:
         return set()
-    rows = await db.fetch(queries["complete_many_charged" if charge else "complete_many"], ids, tokens, values)
+    charged = (list(ran or [None] * len(ids)),) if charge else ()
+    rows = await db.fetch(queries["complete_many_charged" if charge else "complete_many"], ids, tokens, values, *charged)
     return {r["id"] for r in rows}
 
 
@@ -328,7 +326,7 @@ async def record_progress(db: DB, updates: Iterable[Any]) -> set[int]:
 
 async def fail_many(
     db: DB, failures: Iterable[tuple[int, str, str, bool]], backoff: JobBackoff = DEFAULT_BACKOFF,
-    charge: bool = False,
+    charge: bool = False, ran: Sequence[float | None] | None = None,
 ) -> dict[int, FailOutcome]:
     """Record failures ``(id, token, error, retryable)``; return accepted ids -> outcome. ``charge``:
     as ``complete_many``'s."""
@@ -340,8 +338,9 @@ async def fail_many(
         retry.append(retryable)
     if not ids:
         return {}
+    charged = (list(ran or [None] * len(ids)),) if charge else ()
     rows = await db.fetch(queries["fail_many_charged" if charge else "fail_many"], ids, tokens, errors, retry,
-                          backoff.base_seconds, backoff.cap_seconds, backoff.jitter)
+                          backoff.base_seconds, backoff.cap_seconds, backoff.jitter, *charged)
     return {r["id"]: FailOutcome(r["id"], str(r["status"]), r["run_at"]) for r in rows}
 
 

@@ -8,12 +8,16 @@ ledger's business alone.
 
 from collections import Counter
 
+import anyio
+
 from gpuq import admin, plans, queue
 from gpuq.dispatcher import Tuning
 from gpuq.dispatcher.fairshare import FairShare
 from gpuq.dispatcher.trigger import Pass
+from gpuq.harness import running_server
 from gpuq.jobs import NewJob
 from gpuq.sql import queries
+from tests.helpers import wait_for
 
 SLOTS = ["a#1"] * 4
 
@@ -157,3 +161,22 @@ async def test_the_fair_reads_and_lease_read_no_history(conn):
         indexes = plans.plan_indexes(plan)
         assert not [i for i in indexes if i.startswith("seqscan:jobs")], (name, indexes)
         assert plans.plan_buffers(plan) < most, (name, plans.plan_buffers(plan), indexes)
+
+
+async def test_a_server_s_agents_run_each_tenant_s_jobs_by_weight(dsn, pool):
+    """End to end: a weight set, two tenants' backlogs, one agent of 4 slots. The first 40 jobs to
+    run are a's and b's at 3 : 1 (one expected job a slot each), not first come first served."""
+    ran: list[str] = []
+
+    async def record(job) -> None:
+        ran.append(job.payload["t"])
+        await anyio.sleep(0.01)
+
+    await admin.set_tenant(pool, "a", 3)
+    await queue.enqueue_many(pool, [NewJob("train", {"t": "b"}, tenant="b") for _ in range(60)])
+    await queue.enqueue_many(pool, [NewJob("train", {"t": "a"}, tenant="a") for _ in range(60)])
+    async with running_server(dsn) as srv:
+        await srv.agent(["train"], 4, record)
+        await wait_for(lambda: len(ran) >= 40)
+    first = Counter(ran[:40])
+    assert 28 <= first["a"] <= 32 and first["a"] + first["b"] == 40, first

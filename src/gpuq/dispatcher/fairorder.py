@@ -28,6 +28,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 ESTIMATE_DEFAULT = 1.0  # GPU-seconds a job is expected to charge before any attempt has ended
+# The least a job is expected to charge: jobs that run in no time still take turns by weight
+# (with an estimate of 0 no ticket would advance its tenant, and the first would take every slot).
+ESTIMATE_FLOOR = 0.001
 _SOME_ATTEMPTS = 1e-6  # below this (decayed) count, a tenant's own mean is not yet an estimate
 
 
@@ -66,10 +69,10 @@ class Ledger:
         far) per tenant, and the (kind, tenant) pairs with jobs pending."""
         rows = list(rows)
         usage, attempts = sum(r[2] for r in rows), sum(r[3] for r in rows)
-        mean = usage / attempts if attempts >= _SOME_ATTEMPTS else ESTIMATE_DEFAULT
+        mean = max(ESTIMATE_FLOOR, usage / attempts) if attempts >= _SOME_ATTEMPTS else ESTIMATE_DEFAULT
         self.tenants = {}
         for name, weight, used, n, floor, running in rows:
-            estimate = used / n if n >= _SOME_ATTEMPTS else mean
+            estimate = max(ESTIMATE_FLOOR, used / n) if n >= _SOME_ATTEMPTS else mean
             self.tenants[name] = Tenant(weight, used + sum(max(c, estimate) for c in running), floor, estimate,
                                         len(running))
         self.waiting = {}
@@ -80,39 +83,56 @@ class Ledger:
     def any_waiting(self, kinds: Iterable[str]) -> bool:
         return any(self.waiting.get(k) for k in kinds)
 
-    def tickets(self, kinds: Iterable[str], n: int, probes: int) -> Tickets:
+    def tickets(self, kinds: Sequence[str], n: int, probes: int) -> Tickets:
         """Tickets for ``n`` slots over ``kinds``: the tenants with work, least virtual time first,
         plus up to ``probes`` tenants without known work (extra tickets: each that has no work
-        leaves its tickets to the next)."""
-        waiting = set().union(*(self.waiting.get(k, ()) for k in kinds))
-        busy = [t.vt for name, t in self.tenants.items() if t.running or name in waiting]
-        floor = min(busy) if busy else None
-        idle = sorted(name for name in self.tenants if name not in waiting)
-        if idle and probes:
-            k = next(self._turn) % len(idle)
-            idle = (idle[k:] + idle[:k])[:probes]
-        else:
-            idle = []
-        heap: list[tuple[float, str]] = []
+        leaves its tickets to the next). Only the ``n`` least of the waiting can get one of ``n``
+        tickets, so the rest are not looked at: O(tenants) in C, O(n log n) in Python."""
+        waiting = self.waiting.get(kinds[0], set()) if len(kinds) == 1 else \
+            set().union(*(self.waiting.get(k, ()) for k in kinds))
+        tenants = self.tenants
+        for name in waiting:
+            if name not in tenants:
+                tenants[name] = Tenant()
+        first = heapq.nsmallest(n, waiting, key=lambda name: (tenants[name].vt, name))
+        idle = self._idle(waiting, probes)
+        floor = None
+        if idle:  # the least busy virtual time: a waiting tenant's, or a running one's
+            busy = [tenants[first[0]].vt] if first else []
+            busy += [t.vt for t in tenants.values() if t.running]
+            floor = min(busy) if busy else None
+        # (virtual time, 0 for a probe: it goes first on a tie, else it would never be tried, tenant)
+        heap: list[tuple[float, int, str]] = [(tenants[name].vt, 1, name) for name in first]
         lifts: dict[str, float] = {}
-        for name in itertools.chain(sorted(waiting), idle):
-            t = self.tenants.setdefault(name, Tenant())
+        for name in idle:
+            t = tenants[name]
             vt = t.vt
-            if name not in waiting and not t.running and floor is not None and vt < floor:
-                vt, lifts[name] = floor, floor * t.weight  # back from idle: starts with the busiest-least
-            heapq.heappush(heap, (vt, name))
+            if not t.running and floor is not None and vt < floor:
+                vt, lifts[name] = floor, floor * t.weight  # back from idle: starts at the least busy
+            heap.append((vt, 0, name))
+        heapq.heapify(heap)
         names: list[str] = []
         given = Counter[str]()
         to_waiting = 0
-        while heap and to_waiting < n and len(names) < n * (1 + len(idle)):
-            vt, name = heapq.heappop(heap)
+        while heap and to_waiting < n:
+            vt, rank, name = heapq.heappop(heap)
             names.append(name)
             given[name] += 1
             to_waiting += name in waiting
             if name in waiting or given[name] < n:
-                t = self.tenants[name]
-                heapq.heappush(heap, (vt + t.estimate / t.weight, name))
+                t = tenants[name]
+                heapq.heappush(heap, (vt + t.estimate / t.weight, rank, name))
         return Tickets(names, {name: usage for name, usage in lifts.items() if given[name]})
+
+    def _idle(self, waiting: set[str], probes: int) -> list[str]:
+        """Up to ``probes`` known tenants without known work, taking turns."""
+        if not probes or len(waiting) >= len(self.tenants):
+            return []
+        idle = [name for name in self.tenants if name not in waiting]
+        if not idle:
+            return []
+        k = next(self._turn) % len(idle)
+        return (idle[k:] + idle[:k])[:probes]
 
     def leased(self, kinds: Iterable[str], asked: Tickets, n: int,
                filled: Sequence[tuple[str, str, int]]) -> dict[str, float]:

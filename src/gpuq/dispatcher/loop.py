@@ -106,14 +106,15 @@ class Dispatcher:
         self.spans.forget(session.inflight)
         session.inflight.clear()
 
-    def submit(self, session: AgentSession, outcomes: Iterable[tuple[Done | Failed, str]], freed: int) -> None:
+    def submit(self, session: AgentSession, outcomes: Iterable[tuple[Done | Failed, str]], freed: int,
+               ran: dict[int, float] | None = None) -> None:
         """Queue reported outcomes ``(message, kind)`` for the database; ``freed`` credits came back.
 
         The session's protocol has already matched them to the jobs it holds;
         an outcome for a job it was not given (kind '?') still goes to the
         database, where the lease token decides, and is acked either way.
         """
-        self.completer.submit(session, outcomes)
+        self.completer.submit(session, outcomes, ran)
         if self.progress.latest:
             self.progress.forget(msg.id for msg, _ in outcomes)
         if freed:

@@ -531,13 +531,13 @@ RETURNING j.id, j.status, j.run_at
 SELECT id, status, run_at FROM failed WHERE (SELECT count(*) FROM told) >= 0;
 
 -- name: complete_many_charged
--- complete_many while fair share is on (gpuq.tenants has a row): each job's GPU-seconds also go to its tenant's decayed usage (one upsert, tenants in name order).
+-- complete_many while fair share is on (gpuq.tenants has a row): each job's GPU-seconds (its run time $4 where known, else since its lease) also go to its tenant's decayed usage (one upsert, tenants in name order).
 WITH done AS (
     UPDATE gpuq.jobs j
     SET status = 'done', result = d.result::jsonb, finished_at = now(), lease_expires_at = NULL
-    FROM unnest($1::bigint[], $2::uuid[], $3::text[]) AS d(id, token, result)
+    FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::float8[]) AS d(id, token, result, ran)
     WHERE j.id = d.id AND j.status::text = 'leased' AND j.lease_token = d.token
-    RETURNING j.id, j.tenant, gpuq.gpu_seconds(j.started_at, now(), j.gpus, j.batch_size) AS charge
+    RETURNING j.id, j.tenant, gpuq.gpu_seconds(j.started_at, now(), j.gpus, j.batch_size, d.ran) AS charge
 ), charged AS (
     INSERT INTO gpuq.tenant_usage AS u (tenant, usage, attempts, usage_at)
     SELECT coalesce(tenant, 'default'), sum(charge), count(*) FILTER (WHERE charge > 0), now() FROM done GROUP BY 1 ORDER BY 1
@@ -553,9 +553,9 @@ WITH done AS (
 SELECT id FROM done WHERE (SELECT count(*) FROM told) >= 0;
 
 -- name: fail_many_charged
--- fail_many while fair share is on (gpuq.tenants has a row): each attempt's GPU-seconds also go to its tenant's decayed usage (one upsert, tenants in name order).
+-- fail_many while fair share is on (gpuq.tenants has a row): each attempt's GPU-seconds (its run time $8 where known, else since its lease) also go to its tenant's decayed usage (one upsert, tenants in name order).
 WITH f AS (
-    SELECT * FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::bool[]) AS f(id, token, error, retryable)
+    SELECT * FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::bool[], $8::float8[]) AS f(id, token, error, retryable, ran)
 ), failed AS (
 UPDATE gpuq.jobs j
 SET status = CASE WHEN f.retryable AND j.attempts < j.max_attempts
@@ -568,7 +568,7 @@ SET status = CASE WHEN f.retryable AND j.attempts < j.max_attempts
     last_error = f.error, lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
 FROM f
 WHERE j.id = f.id AND j.status::text = 'leased' AND j.lease_token = f.token
-RETURNING j.id, j.status, j.run_at, j.tenant, gpuq.gpu_seconds(j.started_at, now(), j.gpus, j.batch_size) AS charge
+RETURNING j.id, j.status, j.run_at, j.tenant, gpuq.gpu_seconds(j.started_at, now(), j.gpus, j.batch_size, f.ran) AS charge
 ), charged AS (
     INSERT INTO gpuq.tenant_usage AS u (tenant, usage, attempts, usage_at)
     SELECT coalesce(tenant, 'default'), sum(charge), count(*) FILTER (WHERE charge > 0), now() FROM failed GROUP BY 1 ORDER BY 1
