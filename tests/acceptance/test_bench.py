@@ -37,7 +37,8 @@ def test_lease_history_json(server_dsn: str, capsys: pytest.CaptureFixture[str],
         assert row["gpuq_buffers"] > 0 and row["naive_buffers"] > 0
         # gpuq finds its rows through the pending partial index, never the primary key.
         assert "jobs_pending_idx" in row["gpuq_scans"]
-    assert isinstance(got["gpuq_buffer_ratio"], float)
+        assert "jobs_fair_idx" in row["gpuq_fair_scans"] and row["fair_reads_buffers"] > 0
+    assert isinstance(got["gpuq_buffer_ratio"], float) and isinstance(got["gpuq_fair_buffer_ratio"], float)
     assert png.stat().st_size > 1000
 
 

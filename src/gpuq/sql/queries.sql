@@ -143,7 +143,7 @@ WITH leasable AS (  -- the kinds asked for that are not paused, with their defau
     FROM wanted w CROSS JOIN leasable k CROSS JOIN LATERAL (
         SELECT ctid, id, priority FROM gpuq.jobs
         WHERE status = 'pending' AND shape IS NULL AND kind = k.kind AND tenant = w.tenant
-        ORDER BY -priority, id
+        ORDER BY tenant, -priority, id  -- jobs_fair_idx's order: never jobs_pending_idx, filtering a flood
         LIMIT w.n
         FOR UPDATE SKIP LOCKED
     ) c
@@ -152,7 +152,7 @@ WITH leasable AS (  -- the kinds asked for that are not paused, with their defau
     FROM (SELECT * FROM wanted WHERE tenant = 'default') w CROSS JOIN leasable k CROSS JOIN LATERAL (
         SELECT ctid, id, priority FROM gpuq.jobs
         WHERE status = 'pending' AND shape IS NULL AND kind = k.kind AND tenant IS NULL
-        ORDER BY -priority, id
+        ORDER BY tenant, -priority, id
         LIMIT w.n
         FOR UPDATE SKIP LOCKED
     ) c
