@@ -89,7 +89,7 @@ async def _start(fleet: Any) -> None:
 
 
 async def trickle(dsn: str, a: argparse.Namespace, fair: bool) -> dict[str, Any]:
-    seconds = a.seconds if fair else max(5.0, a.seconds / 3)
+    seconds = a.seconds if fair else max(1.0, a.seconds / 3)
     async with common.fleet_on(dsn) as (fleet, conn, _settings):
         await _seed(conn, "a", int(a.flood), 0.2)
         if fair:
@@ -123,11 +123,11 @@ async def _fifo_wait(conn: Any, ids: list[int]) -> float:
     """b's waits under FIFO: waited so far + a's jobs still ahead ÷ the rate a's jobs ran at."""
     row = await conn.fetchrow(
         "SELECT count(*) FILTER (WHERE status = 'done') AS done, "
-        "extract(epoch FROM max(finished_at) - min(started_at)) AS span FROM gpuq.jobs WHERE tenant = 'a'")
+        "extract(epoch FROM max(finished_at) - min(started_at))::float8 AS span FROM gpuq.jobs WHERE tenant = 'a'")
     rate = row["done"] / row["span"] if row["done"] and row["span"] else 0.0
     waits = []
     for r in await conn.fetch(
-            "SELECT b.id, extract(epoch FROM now() - b.created_at) AS so_far, "
+            "SELECT b.id, extract(epoch FROM now() - b.created_at)::float8 AS so_far, "
             "(SELECT count(*) FROM gpuq.jobs j WHERE j.tenant = 'a' AND j.status = 'pending' AND j.id < b.id) AS ahead "
             "FROM gpuq.jobs b WHERE b.id = ANY($1)", ids):
         waits.append((r["so_far"] + (r["ahead"] / rate if rate else float("inf"))) * 1000)
