@@ -7,6 +7,9 @@
 -- tenants with work with a loose scan: one descent per (kind, tenant) with
 -- jobs pending. Never history: done, dead and leased rows have no entry.
 CREATE INDEX jobs_fair_idx ON gpuq.jobs (kind, tenant, (-priority), id) WHERE status = 'pending' AND shape IS NULL;
+-- The same for placed jobs, by kind and shape first.
+CREATE INDEX jobs_fair_placed_idx ON gpuq.jobs (kind, shape, tenant, (-priority), id)
+    WHERE status = 'pending' AND shape IS NOT NULL;
 
 -- How many attempts a tenant's usage came from (decayed like it): usage ÷
 -- attempts is what the tenant's next job is expected to charge. And the usage
@@ -51,4 +54,29 @@ CREATE FUNCTION gpuq.gpu_seconds(started timestamptz, ended timestamptz, gpus in
 RETURNS float8 LANGUAGE sql IMMUTABLE AS $$
     SELECT CASE WHEN ran IS NULL THEN gpuq.gpu_seconds(started, ended, gpus, batch_size)
                 ELSE greatest(0, ran) * greatest(gpus, 1) / greatest(coalesce(batch_size, 1), 1) END
+$$;
+
+-- Every (kind, shape, tenant) with placed jobs pending (tenant NULL: the
+-- default tenant), by a loose scan of jobs_fair_placed_idx for each shape ever
+-- enqueued (gpuq.shapes: a few rows). O(shapes + triples with work).
+CREATE FUNCTION gpuq.tenants_waiting_placed() RETURNS TABLE (kind text, shape text, tenant text)
+LANGUAGE sql STABLE AS $$
+    WITH RECURSIVE named AS (
+        SELECT s.kind, s.shape, f.tenant FROM gpuq.shapes s CROSS JOIN LATERAL (
+            SELECT j.tenant FROM gpuq.jobs j
+            WHERE j.status = 'pending' AND j.shape IS NOT NULL AND j.kind = s.kind AND j.shape = s.shape
+              AND j.tenant IS NOT NULL
+            ORDER BY j.tenant LIMIT 1) AS f
+        UNION ALL
+        SELECT t.kind, t.shape, n.tenant FROM named t CROSS JOIN LATERAL (
+            SELECT j.tenant FROM gpuq.jobs j
+            WHERE j.status = 'pending' AND j.shape IS NOT NULL AND j.kind = t.kind AND j.shape = t.shape
+              AND j.tenant > t.tenant
+            ORDER BY j.tenant LIMIT 1) AS n
+    )
+    SELECT kind, shape, tenant FROM named
+    UNION ALL
+    SELECT s.kind, s.shape, NULL FROM gpuq.shapes s
+    WHERE EXISTS (SELECT 1 FROM gpuq.jobs j WHERE j.status = 'pending' AND j.shape IS NOT NULL AND j.kind = s.kind
+                  AND j.shape = s.shape AND j.tenant IS NULL)
 $$;

@@ -161,8 +161,8 @@ async def lease_slots(db: DB, kinds: Sequence[str], slots: Sequence[str], lease_
     rows = await db.fetch(queries["lease_slots"], *lease_args(kinds, slots, lease_seconds, cursors))
     # UPDATE ... RETURNING does not keep the pick order: restore the slots' order
     # (pending by priority and id, then reclaimed ones by expiry).
-    rows.sort(key=_BY_SLOT)
-    jobs = [_leased(r) for r in rows if r["status"] == "leased"]  # the others went dead
+    rows.sort(key=BY_SLOT)
+    jobs = [leased_job(r) for r in rows if r["status"] == "leased"]  # the others went dead
     if len(jobs) < len(rows):
         await notify_outcomes(db, [r["id"] for r in rows if r["status"] != "leased"])
     picked = [r for r in rows if r["phase"] == 1]
@@ -172,17 +172,7 @@ async def lease_slots(db: DB, kinds: Sequence[str], slots: Sequence[str], lease_
                        cursors=last)
 
 
-_BY_SLOT = operator.itemgetter("slot")
-
-
-async def lease_fair(db: DB, kinds: Sequence[str], tickets: Sequence[str], slots: Sequence[str],
-                     lease_seconds: float) -> list[tuple[LeasedJob, str, int]]:
-    """Fair share on: up to ``len(slots)`` plain jobs of ``kinds`` by ``tickets`` (``dispatcher/fairorder.py``),
-    the i-th to ``slots[i]``; each with its tenant and (0-based) ticket. No phase 2: the sweeper reclaims."""
-    if not slots or not kinds or not tickets:
-        return []
-    rows = await db.fetch(queries["lease_fair"], list(kinds), list(tickets), list(slots), lease_seconds)
-    return [(_leased(r), r["tenant"], r["ticket"] - 1) for r in sorted(rows, key=_BY_SLOT)]
+BY_SLOT = operator.itemgetter("slot")
 
 
 async def read_shapes(db: DB) -> list[Shape]:
@@ -201,10 +191,10 @@ async def lease_placed(db: DB, shape: Shape, slots: Sequence[str], lease_seconds
 
 
 def _placed_jobs(shape: Shape, rows: list[Any]) -> list[LeasedJob]:
-    return [_placed(shape, r) for r in sorted(rows, key=_BY_SLOT)]
+    return [placed_job(shape, r) for r in sorted(rows, key=BY_SLOT)]
 
 
-def _placed(shape: Shape, r: Any, batch: int | None = None) -> LeasedJob:
+def placed_job(shape: Shape, r: Any, batch: int | None = None) -> LeasedJob:
     return LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
                      r["leased_by"], r["payload_json"], r["timeout_seconds"], shape.gpus, shape.gpu_memory_mb,
                      r["queued_ms"], shape.model, batch,
@@ -265,8 +255,8 @@ async def lease_batched(db: DB, kind: str, batches: Sequence[tuple[str, Sequence
     rows = await db.fetch(queries["lease_batched"], kind, ids, agents, lease_seconds, batch_ids, sizes,
                           None if shape is None else shape.digest)
     if shape is None:
-        return {r["id"]: _leased(r, r["batch_id"]) for r in rows}
-    return {r["id"]: _placed(shape, r, r["batch_id"]) for r in rows}
+        return {r["id"]: leased_job(r, r["batch_id"]) for r in rows}
+    return {r["id"]: placed_job(shape, r, r["batch_id"]) for r in rows}
 
 
 async def placed_pending(db: DB) -> dict[tuple[str, str], tuple[int, datetime]]:
@@ -274,7 +264,7 @@ async def placed_pending(db: DB) -> dict[tuple[str, str], tuple[int, datetime]]:
     return {(r["kind"], r["shape"]): (r["n"], r["oldest"]) for r in await db.fetch(queries["placed_pending"])}
 
 
-def _leased(r: Any, batch: int | None = None) -> LeasedJob:
+def leased_job(r: Any, batch: int | None = None) -> LeasedJob:
     return LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
                      r["leased_by"], r["payload_json"], r["timeout_seconds"], queued_ms=r.get("queued_ms"),
                      batch=batch, trace=None if (tp := r["traceparent"]) is None else (tp, r["tracestate"]))

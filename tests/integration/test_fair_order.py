@@ -16,6 +16,7 @@ from gpuq.dispatcher.fairshare import FairShare
 from gpuq.dispatcher.trigger import Pass
 from gpuq.harness import running_server
 from gpuq.jobs import NewJob
+from gpuq.protocol import Device
 from gpuq.sql import queries
 from tests.helpers import wait_for
 
@@ -150,13 +151,17 @@ async def test_the_fair_reads_and_lease_read_no_history(conn):
                        "started_at, tenant) SELECT 'train', 'leased', 1, 'a#1', gen_random_uuid(), "
                        "now() + interval '1 min', now(), 't' || (g % 5) FROM generate_series(1, 20) g")
     await queue.enqueue_many(conn, [NewJob("train", tenant=f"t{i % 5}") for i in range(200)] + [NewJob("train")] * 5)
+    await queue.enqueue_many(conn, [NewJob("train", tenant=f"t{i % 5}", gpus=1) for i in range(200)])
+    (shape,) = await queue.read_shapes(conn)
     await admin.set_tenant(conn, "t0", 2)
     await conn.execute("ANALYZE gpuq.jobs")
     tickets = ["t0", "t1", "default", "t0", "t2", "t3", "t0", "t4"]
     plain = await plans.explain(conn, queries["lease_slots"], *plans.lease_args(["train", "other"], ["a#1"] * 8, 30))
     for name, args, most in (("lease_fair", (["train", "other"], tickets, ["a#1"] * 8, 30),
                               2 * plans.plan_buffers(plain)),  # the same 8 rows written: 95 against 70, measured
-                             ("fair_waiting", (), 60), ("fair_state", (), 60)):
+                             ("lease_placed_fair", (shape.kind, shape.digest, tickets, ["a#1"] * 8, 30),
+                              2 * plans.plan_buffers(plain)),
+                             ("fair_waiting", (), 80), ("fair_state", (), 60)):
         plan = await plans.explain(conn, queries[name], *args)
         indexes = plans.plan_indexes(plan)
         assert not [i for i in indexes if i.startswith("seqscan:jobs")], (name, indexes)
@@ -181,3 +186,34 @@ async def test_a_server_s_agents_run_each_tenant_s_jobs_by_weight(dsn, pool):
         await wait_for(lambda: len(ran) >= 40)
     first = Counter(ran[:40])
     assert 28 <= first["a"] <= 32 and first["a"] + first["b"] == 40, first
+
+
+# -- placed jobs -----------------------------------------------------------------
+
+
+async def test_placed_jobs_of_a_shape_go_to_tenants_by_weight(conn):
+    await queue.enqueue_many(conn, [NewJob("train", tenant="a", gpus=1) for _ in range(20)])
+    await queue.enqueue_many(conn, [NewJob("train", tenant="b", gpus=1) for _ in range(20)])
+    (shape,) = await queue.read_shapes(conn)
+    fair = await _fair(conn, a=1, b=3)
+    jobs, more = await fair.lease_placed(shape, ["a#1"] * 8, 30)
+    assert more and all(j.gpus == 1 for j in jobs)
+    assert Counter(await _tenants_of(conn, jobs)) == {"a": 2, "b": 6}
+    assert fair.least(shape) == min(fair.ledger.tenants[t].vt for t in "ab")
+
+
+async def test_one_tenant_s_unplaceable_jobs_do_not_hold_back_another_s(dsn, pool):
+    """a's jobs want 8 GPUs, which no agent has; b's want one: b's run on the 2-GPU agent."""
+    devices = [Device(i, "h100", 81920) for i in range(2)]
+    ran: list[str] = []
+
+    async def record(job) -> None:
+        ran.append(job.payload["t"])
+
+    await admin.set_tenant(pool, "a", 100)
+    await queue.enqueue_many(pool, [NewJob("train", {"t": "a"}, tenant="a", gpus=8) for _ in range(5)])
+    await queue.enqueue_many(pool, [NewJob("train", {"t": "b"}, tenant="b", gpus=1) for _ in range(5)])
+    async with running_server(dsn) as srv:
+        await srv.agent(["train"], 2, record, devices=devices)
+        await wait_for(lambda: len(ran) >= 5)
+    assert ran == ["b"] * 5

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuq import plans, queue
+from gpuq import fairlease, plans, queue
 from gpuq.bench import common
 from gpuq.db import connect
 from gpuq.sql import queries
@@ -153,7 +153,7 @@ async def _measure(conn: Any, batch: int, repeat: int, budget: float,
             rows = await conn.fetch(common.queries["naive_lease"], batch, "bench#naive", LEASE_SECONDS)
             return len(rows)
         if variant == GPUQ_FAIR:
-            return len(await queue.lease_fair(conn, [KIND], tickets, ["bench#fair"] * batch, LEASE_SECONDS))
+            return len(await fairlease.lease_fair(conn, [KIND], tickets, ["bench#fair"] * batch, LEASE_SECONDS))
         return len((await queue.lease(conn, [KIND], batch, "bench#gpuq", LEASE_SECONDS)).jobs)
 
     async def rolled_back(fn: Any) -> tuple[Any, float]:

@@ -26,12 +26,16 @@ import itertools
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 ESTIMATE_DEFAULT = 1.0  # GPU-seconds a job is expected to charge before any attempt has ended
 # The least a job is expected to charge: jobs that run in no time still take turns by weight
 # (with an estimate of 0 no ticket would advance its tenant, and the first would take every slot).
 ESTIMATE_FLOOR = 0.001
 _SOME_ATTEMPTS = 1e-6  # below this (decayed) count, a tenant's own mean is not yet an estimate
+
+# What a tenant waits in: a kind of plain jobs, or (kind, shape) of placed jobs.
+Key: TypeAlias = str | tuple[str, str]
 
 
 @dataclass
@@ -60,13 +64,13 @@ class Ledger:
 
     def __init__(self) -> None:
         self.tenants: dict[str, Tenant] = {}
-        self.waiting: dict[str, set[str]] = {}  # kind -> tenants believed to have plain jobs pending
+        self.waiting: dict[Key, set[str]] = {}  # kind or (kind, shape) -> tenants believed to have jobs pending
         self._turn = itertools.count()  # rotates the tenants without known work that are probed
 
     def load(self, rows: Iterable[tuple[str, float, float, float, float, Sequence[float]]],
-             waiting: Iterable[tuple[str, str]]) -> None:
+             waiting: Iterable[tuple[Key, str]]) -> None:
         """Refresh from the database: (tenant, weight, usage, attempts, floor, running jobs' charges so
-        far) per tenant, and the (kind, tenant) pairs with jobs pending."""
+        far) per tenant, and the (key, tenant) pairs with jobs pending."""
         rows = list(rows)
         usage, attempts = sum(r[2] for r in rows), sum(r[3] for r in rows)
         mean = max(ESTIMATE_FLOOR, usage / attempts) if attempts >= _SOME_ATTEMPTS else ESTIMATE_DEFAULT
@@ -76,20 +80,25 @@ class Ledger:
             self.tenants[name] = Tenant(weight, used + sum(max(c, estimate) for c in running), floor, estimate,
                                         len(running))
         self.waiting = {}
-        for kind, name in waiting:
-            self.waiting.setdefault(kind, set()).add(name)
+        for key, name in waiting:
+            self.waiting.setdefault(key, set()).add(name)
             self.tenants.setdefault(name, Tenant(estimate=mean))
 
-    def any_waiting(self, kinds: Iterable[str]) -> bool:
-        return any(self.waiting.get(k) for k in kinds)
+    def any_waiting(self, keys: Iterable[Key]) -> bool:
+        return any(self.waiting.get(k) for k in keys)
 
-    def tickets(self, kinds: Sequence[str], n: int, probes: int) -> Tickets:
-        """Tickets for ``n`` slots over ``kinds``: the tenants with work, least virtual time first,
+    def least(self, key: Key) -> float:
+        """The least virtual time among the tenants waiting in ``key`` (inf: none known)."""
+        return min((self.tenants[name].vt for name in self.waiting.get(key, ()) if name in self.tenants),
+                   default=float("inf"))
+
+    def tickets(self, keys: Sequence[Key], n: int, probes: int) -> Tickets:
+        """Tickets for ``n`` slots over ``keys``: the tenants with work, least virtual time first,
         plus up to ``probes`` tenants without known work (extra tickets: each that has no work
         leaves its tickets to the next). Only the ``n`` least of the waiting can get one of ``n``
         tickets, so the rest are not looked at: O(tenants) in C, O(n log n) in Python."""
-        waiting = self.waiting.get(kinds[0], set()) if len(kinds) == 1 else \
-            set().union(*(self.waiting.get(k, ()) for k in kinds))
+        waiting = self.waiting.get(keys[0], set()) if len(keys) == 1 else \
+            set().union(*(self.waiting.get(k, ()) for k in keys))
         tenants = self.tenants
         for name in waiting:
             if name not in tenants:
@@ -134,15 +143,15 @@ class Ledger:
         k = next(self._turn) % len(idle)
         return (idle[k:] + idle[:k])[:probes]
 
-    def leased(self, kinds: Iterable[str], asked: Tickets, n: int,
-               filled: Sequence[tuple[str, str, int]]) -> dict[str, float]:
-        """Count a lease: ``filled`` is (kind, tenant, ticket) per job leased, of ``n`` slots.
+    def leased(self, keys: Iterable[Key], asked: Tickets, n: int,
+               filled: Sequence[tuple[Key, str, int]]) -> dict[str, float]:
+        """Count a lease: ``filled`` is (key, tenant, ticket) per job leased, of ``n`` slots.
         Returns the floors to keep for the tenants it lifted (tenant -> usage)."""
-        kinds = list(kinds)
+        keys = list(keys)
         got = Counter(tenant for _kind, tenant, _ticket in filled)
         floors = {}
-        for kind, tenant, _ticket in filled:
-            self.waiting.setdefault(kind, set()).add(tenant)
+        for key, tenant, _ticket in filled:
+            self.waiting.setdefault(key, set()).add(tenant)
         for tenant, count in got.items():
             t = self.tenants.setdefault(tenant, Tenant())
             if tenant in asked.lifts:
@@ -156,6 +165,6 @@ class Ledger:
         for i, tenant in enumerate(asked.names):
             seen[tenant] += 1
             if i < reached and seen[tenant] > got[tenant]:  # a ticket it could not fill: it has run out
-                for kind in kinds:
-                    self.waiting.get(kind, set()).discard(tenant)
+                for key in keys:
+                    self.waiting.get(key, set()).discard(tenant)
         return floors

@@ -17,13 +17,15 @@ slot to the tenant with work whose usage per weight is least.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from gpuq import admin, logs, queue
-from gpuq.dispatcher.fairorder import Ledger
+from gpuq import admin, fairlease, logs
+from gpuq.dispatcher.fairorder import Key, Ledger
 from gpuq.dispatcher.trigger import Pass
 from gpuq.dispatcher.tuning import Tuning
-from gpuq.jobs import LeasedJob
+from gpuq.fairlease import Leased
+from gpuq.jobs import LeasedJob, Shape
 from gpuq.sql import queries
 
 log = logs.get("dispatcher")
@@ -60,7 +62,8 @@ class FairShare:
         state = await self.pool.fetch(queries["fair_state"])
         waiting = await self.pool.fetch(queries["fair_waiting"])
         self.ledger.load([(r["tenant"], r["weight"], r["usage"], r["attempts"], r["usage_floor"], r["running"])
-                          for r in state], [(r["kind"], r["tenant"]) for r in waiting])
+                          for r in state],
+                         [(r["kind"] if r["shape"] is None else (r["kind"], r["shape"]), r["tenant"]) for r in waiting])
 
     def wait_left(self) -> float | None:
         """Seconds until a read held back by the throttle is due, or (on) the next read (None: none is)."""
@@ -71,15 +74,32 @@ class FairShare:
     async def lease(self, kinds: list[str], slots: list[str], lease_seconds: float) -> tuple[list[LeasedJob], bool]:
         """Lease plain jobs of ``kinds`` for ``slots`` in the fair order. Returns the jobs, and whether
         there may be more (False: no tenant's ticket was left unfilled for want of work)."""
-        asked = self.ledger.tickets(kinds, len(slots), self.tuning.fair_probes)
+        return await self._lease(list(kinds), slots, lambda tickets: fairlease.lease_fair(
+            self.pool, kinds, tickets, slots, lease_seconds))
+
+    async def lease_placed(self, shape: Shape, slots: list[str],
+                           lease_seconds: float) -> tuple[list[LeasedJob], bool]:
+        """``lease``, for placed jobs of one shape."""
+        return await self._lease([(shape.kind, shape.digest)], slots, lambda tickets: fairlease.lease_placed_fair(
+            self.pool, shape, tickets, slots, lease_seconds))
+
+    def least(self, shape: Shape) -> float:
+        """The least usage per weight among the tenants known to wait for ``shape``: the shape
+        whose is least leases first."""
+        return self.ledger.least((shape.kind, shape.digest))
+
+    async def _lease(self, keys: list[Key], slots: list[str],
+                     statement: Callable[[list[str]], Awaitable[Leased]]) -> tuple[list[LeasedJob], bool]:
+        asked = self.ledger.tickets(keys, len(slots), self.tuning.fair_probes)
         if not asked.names:
             return [], False
-        leased = await queue.lease_fair(self.pool, kinds, asked.names, slots, lease_seconds)
-        floors = self.ledger.leased(kinds, asked, len(slots), [(j.kind, t, ticket) for j, t, ticket in leased])
+        leased = await statement(asked.names)
+        key_of = (lambda j: j.kind) if isinstance(keys[0], str) else (lambda j: keys[0])
+        floors = self.ledger.leased(keys, asked, len(slots), [(key_of(j), t, ticket) for j, t, ticket in leased])
         if floors:  # every server sees the lift at its next refresh
             names = sorted(floors)
             await self.pool.execute(queries["tenant_lift"], names, [floors[n] for n in names])
         jobs = [j for j, _tenant, _ticket in leased]
         # Short: the tenants that left a ticket unfilled are no longer waiting (each short lease drops
         # one at least), and the others may still have work.
-        return jobs, len(jobs) == len(slots) or self.ledger.any_waiting(kinds)
+        return jobs, len(jobs) == len(slots) or self.ledger.any_waiting(keys)

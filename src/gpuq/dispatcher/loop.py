@@ -56,7 +56,7 @@ class Dispatcher:
                                   self.fair_share)
         self.trigger.on_listen = lambda: self.groups.listen_connected(self.trigger.listen_pid or 0)
         self.roster = Roster(pool, tuning, self.sessions)  # this server's agents, for the other servers
-        self.placing = Placing(pool, config, tuning, self.roster)
+        self.placing = Placing(pool, config, tuning, self.roster, self.fair_share)
         self.batching = Batching(pool, config, tuning)
         self._passes = 0
 

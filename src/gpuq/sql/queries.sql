@@ -179,6 +179,62 @@ RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease
           (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms,
           j.traceparent, j.tracestate;
 
+-- name: lease_placed_fair
+-- Fair share on: lease up to cardinality($4) pending jobs of kind $1 (not paused, no limit) and placement shape $2, none under a limited key, by tickets $3 (as lease_fair's; jobs_fair_placed_idx); the first cardinality($4) tickets filled go to slots $4 in order.
+WITH leasable AS (
+    SELECT (SELECT t.timeout_seconds FROM gpuq.kind_timeouts t WHERE t.kind = $1) AS default_timeout
+    WHERE NOT EXISTS (SELECT 1 FROM gpuq.paused_kinds p WHERE p.kind = $1)
+      AND NOT EXISTS (SELECT 1 FROM gpuq.limits l WHERE l.scope = 'kind' AND l.name = $1)
+), tickets AS (
+    SELECT t.tenant, t.ticket, row_number() OVER (PARTITION BY t.tenant ORDER BY t.ticket) AS nth
+    FROM unnest($3::text[]) WITH ORDINALITY AS t(tenant, ticket)
+), wanted AS (
+    SELECT tenant, count(*) AS n FROM tickets GROUP BY tenant
+), named AS (  -- a row may also name the default tenant
+    SELECT c.ctid, c.id, c.priority, w.tenant
+    FROM wanted w CROSS JOIN LATERAL (
+        SELECT ctid, id, priority FROM gpuq.jobs
+        WHERE status = 'pending' AND shape IS NOT NULL AND kind = $1 AND shape = $2 AND tenant = w.tenant
+          AND EXISTS (SELECT 1 FROM leasable)
+          AND (concurrency_key IS NULL
+               OR NOT EXISTS (SELECT 1 FROM gpuq.limits l WHERE l.scope = 'key' AND l.name = concurrency_key))
+        ORDER BY tenant, -priority, id
+        LIMIT w.n
+        FOR UPDATE SKIP LOCKED
+    ) c
+), unnamed AS (
+    SELECT c.ctid, c.id, c.priority, w.tenant
+    FROM (SELECT * FROM wanted WHERE tenant = 'default') w CROSS JOIN LATERAL (
+        SELECT ctid, id, priority FROM gpuq.jobs
+        WHERE status = 'pending' AND shape IS NOT NULL AND kind = $1 AND shape = $2 AND tenant IS NULL
+          AND EXISTS (SELECT 1 FROM leasable)
+          AND (concurrency_key IS NULL
+               OR NOT EXISTS (SELECT 1 FROM gpuq.limits l WHERE l.scope = 'key' AND l.name = concurrency_key))
+        ORDER BY tenant, -priority, id
+        LIMIT w.n
+        FOR UPDATE SKIP LOCKED
+    ) c
+), picked AS (
+    SELECT p.*, row_number() OVER (PARTITION BY p.tenant ORDER BY p.priority DESC, p.id) AS nth
+    FROM (SELECT * FROM named UNION ALL SELECT * FROM unnamed) AS p
+), assigned AS (
+    SELECT p.ctid, t.ticket, row_number() OVER (ORDER BY t.ticket) AS slot
+    FROM tickets t JOIN picked p ON p.tenant = t.tenant AND p.nth = t.nth
+    ORDER BY t.ticket
+    LIMIT cardinality($4::text[])
+)
+UPDATE gpuq.jobs j
+SET status = 'leased', attempts = j.attempts + 1, lease_token = gen_random_uuid(), leased_by = s.agent,
+    lease_expires_at = now() + make_interval(secs => $5), started_at = now(),
+    deadline_at = now() + make_interval(secs => coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)))
+FROM assigned a
+JOIN unnest($4::text[]) WITH ORDINALITY AS s(agent, slot) ON s.slot = a.slot
+WHERE j.ctid = a.ctid
+RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token, j.priority, j.leased_by,
+          j.payload::text AS payload_json, a.slot, a.ticket, coalesce(j.tenant, 'default') AS tenant,
+          coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds,
+          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.traceparent, j.tracestate;
+
 -- name: lease_placed
 -- Lease up to cardinality($3) pending jobs of kind $1 (not paused, no limit) and placement shape $2, by priority and id, none under a limited key; the i-th goes to slot $3[i].
 WITH leasable AS (
@@ -378,8 +434,10 @@ LEFT JOIN used u ON u.tenant = n.tenant
 LEFT JOIN running r ON r.tenant = n.tenant;
 
 -- name: fair_waiting
--- Every (kind, tenant) with plain jobs pending ('default': jobs without a tenant): a loose scan of jobs_fair_idx, O(pairs with work).
-SELECT kind, coalesce(tenant, 'default') AS tenant FROM gpuq.tenants_waiting();
+-- Every (kind, shape, tenant) with jobs pending (shape NULL: plain jobs; 'default': jobs without a tenant): loose scans of jobs_fair_idx and jobs_fair_placed_idx, O(shapes + triples with work).
+SELECT kind, NULL AS shape, coalesce(tenant, 'default') AS tenant FROM gpuq.tenants_waiting()
+UNION ALL
+SELECT kind, shape, coalesce(tenant, 'default') FROM gpuq.tenants_waiting_placed();
 
 -- name: tenant_lift
 -- Tenants $1, back from idle, count as having used at least $2 GPU-seconds, decayed from now on like their usage (tenants in name order, as the charges lock them).
