@@ -63,10 +63,15 @@ class Completer(Writer):
         self.failed: list[tuple[Session, Failed, str]] = []
         self.orphans: list[int] = []  # leased for an agent that left before the push
         self.unstarted: list[tuple[Session, tuple[tuple[int, str], ...]]] = []  # given back, (id, token)
+        self.ran: dict[int, float] = {}  # job id -> its handler's run time, where the agent told its start
         self._lock = anyio.Lock()
 
-    def submit(self, session: Session, outcomes: Iterable[tuple[Done | Failed, str]]) -> None:
-        """Queue ``(outcome, kind)`` pairs reported by ``session``; acked after the commit."""
+    def submit(self, session: Session, outcomes: Iterable[tuple[Done | Failed, str]],
+               ran: dict[int, float] | None = None) -> None:
+        """Queue ``(outcome, kind)`` pairs reported by ``session``; acked after the commit. ``ran``:
+        the run times the protocol measured (fair share charges them, else the lease's age)."""
+        if ran:
+            self.ran.update(ran)
         for msg, kind in outcomes:
             if isinstance(msg, Done):
                 self.done.append((session, msg, kind))
@@ -136,16 +141,21 @@ class Completer(Writer):
         accepted: set[int] = set()
         outcomes: dict[int, FailOutcome] = {}
         charge = self.charging()
+        ran = self.ran
         if done:
             accepted = await queue.complete_many(self.pool, [(m.id, m.lease_token, m.result) for _, m, _ in done],
-                                                 charge)
+                                                 charge, [ran.get(m.id) for _, m, _ in done] if charge else None)
         if failed:
             outcomes = await queue.fail_many(
-                self.pool, [(m.id, m.lease_token, m.error, m.retryable) for _, m, _ in failed], self.backoff, charge)
+                self.pool, [(m.id, m.lease_token, m.error, m.retryable) for _, m, _ in failed], self.backoff, charge,
+                [ran.get(m.id) for _, m, _ in failed] if charge else None)
         if orphans:
             await queue.release_jobs(self.pool, orphans, undelivered=True)
         # Committed: now take them off the queue and tell the agents.
         del self.done[:len(done)], self.failed[:len(failed)], self.orphans[:len(orphans)]
+        if ran:
+            for _, m, _ in (*done, *failed):
+                ran.pop(m.id, None)
         if self.on_written is not None:
             self.on_written()
         if self.latency is not None:

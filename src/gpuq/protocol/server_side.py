@@ -103,10 +103,12 @@ class HelloReceived:
 
 @dataclass(frozen=True, slots=True)
 class OutcomesReceived:
-    """Outcomes to persist, each with its job's kind ('?' when not held here); ``freed`` credits."""
+    """Outcomes to persist, each with its job's kind ('?' when not held here); ``freed`` credits;
+    ``ran``: seconds each job ran from its ``started`` (version 5) to its outcome, as received."""
 
     outcomes: list[tuple[Done | Failed, str]]
     freed: int
+    ran: dict[int, float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,11 +272,11 @@ class ServerProtocol:
         raise ProtocolError(ErrorCode.UNEXPECTED, "hello was already received on this connection")
 
     def _outcomes(self, outcomes: tuple[Done | Failed, ...]) -> OutcomesReceived:
-        return OutcomesReceived(*self.ledger.settle(outcomes))
+        return OutcomesReceived(*self.ledger.settle(outcomes, self._now))
 
     def _started(self, ids: tuple[int, ...]) -> None:
         self._needs(PREFETCH_SINCE, "started")
-        self.ledger.mark_started(ids)
+        self.ledger.mark_started(ids, self._now)
 
     def _release(self, ids: tuple[int, ...]) -> list[Event]:
         """Give back held jobs the agent never started; a started one stays (its outcome will come)."""
