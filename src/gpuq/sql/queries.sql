@@ -766,11 +766,14 @@ WHERE status IN ('dead', 'cancelled') AND ($1::bigint[] IS NULL OR id = ANY($1::
   AND ($6::text IS NULL OR status::text = $6) AND ($7::text IS NULL OR concurrency_key = $7);
 
 -- name: retry
--- Send the dead or cancelled jobs retry_count matches back to pending with fresh attempts, and wake the dispatchers for their kinds.
+-- Send the dead or cancelled jobs retry_count matches back to pending with fresh attempts (their checkpoint kept, or dropped when $8), and wake the dispatchers for their kinds.
 WITH r AS (
     UPDATE gpuq.jobs
     SET status = 'pending', attempts = 0, run_at = now(), finished_at = NULL, started_at = NULL,
-        lease_token = NULL, leased_by = NULL, lease_expires_at = NULL
+        lease_token = NULL, leased_by = NULL, lease_expires_at = NULL,
+        checkpoint = CASE WHEN $8::boolean THEN NULL ELSE checkpoint END,
+        checkpoint_at = CASE WHEN $8::boolean THEN NULL ELSE checkpoint_at END,
+        checkpoint_attempt = CASE WHEN $8::boolean THEN NULL ELSE checkpoint_attempt END
     WHERE status IN ('dead', 'cancelled') AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
       AND ($2::text IS NULL OR kind = $2) AND ($3::text IS NULL OR strpos(last_error, $3) > 0)
       AND ($4::timestamptz IS NULL OR finished_at >= $4) AND ($5::timestamptz IS NULL OR finished_at < $5)
