@@ -12,7 +12,7 @@ import anyio
 import gpuq
 from gpuq import admin, queue
 from gpuq.agent import Agent, run_process
-from gpuq.harness import TOKEN, running_server
+from gpuq.harness import TOKEN, next_of, raw_agent, running_server
 from gpuq.jobs import RetryFilter, Shape
 from gpuq.testing import run_job
 from tests.helpers import add_pending, expire_leases, wait_for, wait_status
@@ -96,6 +96,33 @@ async def test_the_placed_limited_and_batched_leases_return_the_checkpoint(pool,
     await queue.release_jobs(pool, [batched_id])
     job = (await queue.lease_batched(pool, "ckbat", [("a#1", [batched_id])], 30))[batched_id]
     assert resumes(job) == 7 and job.batch == batched_id
+
+
+async def test_on_the_wire_a_version_9_agent_resumes_and_checkpoints_a_version_8_one_sees_nothing_new(dsn, pool):
+    ids = [await pool.fetchval("INSERT INTO gpuq.jobs (kind, checkpoint) VALUES ('embed', $1::text::jsonb) RETURNING id",
+                               json.dumps({"step": i})) for i in (8, 9)]
+    described = {"devices": [], "labels": [], "models": [], "prefetch": 0, "batch": 0}
+    async with running_server(dsn) as srv:
+        old, _ = await raw_agent(srv, name="old", protocol=8, **described)
+        [to_old] = (await next_of(old, "jobs"))["jobs"]
+        item = {"id": to_old["id"], "lease_token": to_old["lease_token"], "seq": 1, "data": {"step": 80}}
+        await old.send(json.dumps({"type": "checkpoint", "checkpoints": [item]}))
+        refused = await next_of(old, "error")
+        new, _ = await raw_agent(srv, name="new", protocol=9, **described)
+        [to_new] = (await next_of(new, "jobs"))["jobs"]
+        mine = {"id": to_new["id"], "lease_token": to_new["lease_token"], "seq": 7, "data": {"step": 90}}
+        stale = {**mine, "lease_token": to_old["lease_token"], "seq": 8}
+        await new.send(json.dumps({"type": "checkpoint", "checkpoints": [mine, stale]}))
+        first = await next_of(new, "checkpointed")  # the stale one at once, without the database
+        second = await next_of(new, "checkpointed")
+        for ws in (old, new):
+            await ws.close()
+    assert (to_old["id"], to_new["id"]) == tuple(ids) and "resume_from" not in to_old
+    assert to_new["resume_from"] == {"step": 9}
+    assert refused["code"] == "unexpected"
+    assert first == {"type": "checkpointed", "stored": [], "refused": [8]}
+    assert second == {"type": "checkpointed", "stored": [7], "refused": []}
+    assert [(await gpuq.show(pool, i))["checkpoint"] for i in ids] == [{"step": 8}, {"step": 90}]
 
 
 async def test_a_job_resumes_elsewhere_from_what_its_agent_stored_before_it_died(dsn, pool):

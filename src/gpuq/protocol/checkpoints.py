@@ -124,6 +124,8 @@ class CheckpointQueue:
     def frames(self, max_frame: int) -> list[str]:
         """``checkpoint`` frames of those ready, each within ``max_frame`` (0: not connected); one
         that cannot go (too large for a frame, or no connection) is refused here."""
+        if not self._ready:  # the common case, without the lock: filled where this runs (the loop, or the protocol lock)
+            return []
         with self._lock:
             ready, self._ready = self._ready, []
         limit = max_frame - RESULTS_OVERHEAD - 30
