@@ -174,6 +174,14 @@ async def test_a_receipt_is_awaited_on_a_loop_and_waited_on_in_a_thread_resolved
     assert receipt.stored is True and await receipt is True
 
 
+async def test_waiting_on_a_receipt_on_the_event_loop_is_refused_not_a_deadlock():
+    receipt = Receipt()
+    with pytest.raises(RuntimeError, match="await the receipt"):
+        receipt.wait(1)
+    receipt.resolve(True)
+    assert receipt.wait() is True  # answered: nothing to wait for
+
+
 async def _await(receipt: Receipt) -> bool:
     return await receipt
 

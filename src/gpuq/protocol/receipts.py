@@ -41,7 +41,11 @@ class Receipt:
         return self._event.is_set()
 
     def wait(self, timeout: float | None = None) -> bool | None:
-        """Block this thread until the answer (a sync handler); None if ``timeout`` passed first."""
+        """Block this thread until the answer (a sync handler); None if ``timeout`` passed first.
+        ``RuntimeError`` on an event loop's thread, which the answer needs: ``await`` it there."""
+        if not self._event.is_set() and _on_a_loop():
+            raise RuntimeError("Receipt.wait() would block the event loop the answer comes through: "
+                               "await the receipt in an async handler")
         self._event.wait(timeout)
         return self._stored
 
@@ -76,3 +80,11 @@ class Receipt:
 def _set(future: asyncio.Future[bool], stored: bool) -> None:
     if not future.done():  # a waiter that was cancelled
         future.set_result(stored)
+
+
+def _on_a_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
