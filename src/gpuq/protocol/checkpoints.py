@@ -1,7 +1,7 @@
 """Checkpoints on the agent's side, without I/O: the queue that sends each job's latest checkpoint at
 most once per interval and resolves the receipts ``job.checkpoint()`` returns (``receipts``).
 
-The rules (docs/protocol.md, "Checkpoints"):
+The rules (docs/protocol.md, "Version 9: checkpoints"; docs/design.md, "Checkpoints"):
 
 - a job's first checkpoint goes out at once; later ones at most once per
   ``interval`` seconds: one given sooner waits, and a newer one replaces it
@@ -122,9 +122,9 @@ class CheckpointQueue:
         job.waiting, job.receipts, job.sent_at = None, [], now
 
     def frames(self, max_frame: int) -> list[str]:
-        """``checkpoint`` frames of those ready, each within ``max_frame`` (0: not connected); one
-        that cannot go (too large for a frame, or no connection) is refused here."""
-        if not self._ready:  # the common case, without the lock: filled where this runs (the loop, or the protocol lock)
+        """``checkpoint`` frames of those ready, each within ``max_frame``; one too large for a frame
+        is refused here."""
+        if not self._ready:  # the common case, unlocked: it is filled where this runs (loop, protocol lock)
             return []
         with self._lock:
             ready, self._ready = self._ready, []

@@ -19,8 +19,8 @@ from gpuq.protocol.fields import checkpoint_data, progress_item
 from gpuq.protocol.receipts import Receipt
 from gpuq.protocol.slots import SlotReport
 
-__all__ = ["Ack", "Cancel", "Checkpoint", "CheckpointItem", "Checkpointed", "ClientMessage", "Done", "Drain", "Error", "Failed", "Heartbeat", "Hello", "JobMessage",
-           "Jobs", "Progress", "ProgressUpdate", "Release", "Results", "ServerDrain", "ServerMessage", "Started",
+__all__ = ["Ack", "Cancel", "Checkpoint", "CheckpointItem", "Checkpointed", "ClientMessage", "Done", "Drain", "Error",
+           "Failed", "Heartbeat", "Hello", "JobMessage", "Jobs", "Progress", "ProgressUpdate", "Release", "Results", "ServerDrain", "ServerMessage", "Started",
            "Update", "Welcome", "attach_checkpointer", "attach_reporter", "mark_cancelled"]
 
 
