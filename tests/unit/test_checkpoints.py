@@ -118,6 +118,17 @@ def test_a_waiting_checkpoint_goes_before_the_jobs_outcome_whatever_the_interval
     assert waiting.stored is False
 
 
+def test_a_draining_agent_sends_each_checkpoint_at_once():
+    p, _ = agent(interval=3600)
+    checkpoint(p, 1, 1)
+    p.checkpoints.due()
+    checkpoint(p, 1, 2)
+    assert p.checkpoints.due() == pytest.approx(3600)
+    p.drain()  # leaving (stop, SIGTERM): the interval would hold this one past the end
+    assert p.checkpoints.due() is None
+    assert [d for _, _, d in items(p)] == [1, 2]
+
+
 def test_a_refused_checkpoint_resolves_its_receipts_false():
     p, _ = agent(interval=0)
     receipt, _ = checkpoint(p, 1, "late")

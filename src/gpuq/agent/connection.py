@@ -137,6 +137,7 @@ class Agent:
         server is unreachable the agent keeps trying with its reconnect backoff, never faster."""
         self.protocol.drain()
         self._ready.set()
+        self._checkpoint_due.set()  # those waiting for their interval go now
         self._reconnect_now.set()  # try to report now, not after the current backoff
         if deadline_seconds is not None:
             at = time.monotonic() + deadline_seconds

@@ -374,8 +374,8 @@ class AgentProtocol:
             self._control.append(encode(checked))
 
     def drain(self) -> None:
-        """Ask for no more jobs: the agent is finishing and leaving; the ready jobs go back."""
-        self.draining = True
+        """Ask for no more jobs: the agent is leaving; the ready jobs go back, checkpoints at once."""
+        self.draining, self.checkpoints.interval = True, 0.0
         if self.state is State.OPEN:
             self._control.append(encode(Drain()))
             self._release_ready()
