@@ -8,7 +8,7 @@ statement; off, nothing more is written. Jobs given back unstarted (``release_un
 no agent will run (``release``) go back to pending in the same flush. Checkpoints
 (protocol 9) are written first in each flush, fenced like outcomes, and answered
 (``checkpointed``) after their commit: a job's checkpoint, which its agent sends
-before its outcome, is thus always written before that outcome ends the lease. A batch
+before its outcome (or release), is thus always written before that ends the lease. A batch
 the database refuses (a value jsonb cannot take) is written one by one, so one
 bad outcome cannot block the others.
 """
@@ -140,11 +140,10 @@ class Completer(Writer):
             session.send_ack((), (msg.id,))
 
     async def _flush_once(self) -> None:
-        if given := self.unstarted[:100]:  # its own commit: done and failed are retried without it
-            await self._release_unstarted(given)
-            del self.unstarted[:len(given)]
-        # Taken with the outcomes, before any write: an outcome's checkpoint came before it.
+        # All taken at once, before any write, and the checkpoints written first: a job's
+        # checkpoint came before its outcome or release, so it is written while the lease holds.
         checkpoints, self.checkpoints = self.checkpoints, []
+        given = self.unstarted[:100]
         done, failed, orphans = self.done[:1000], self.failed[:1000], self.orphans[:1000]
         if checkpoints:
             try:
@@ -152,6 +151,9 @@ class Completer(Writer):
             except BaseException:
                 self.checkpoints[:0] = checkpoints  # kept, first, for the next try
                 raise
+        if given:  # its own commit: done and failed are retried without it
+            await self._release_unstarted(given)
+            del self.unstarted[:len(given)]
         started = self.spans.write_started() if self.spans is not None else 0
         accepted: set[int] = set()
         outcomes: dict[int, FailOutcome] = {}
