@@ -23,8 +23,8 @@ I/O layer (``gpuq.agent``) feeds frames to ``receive()`` and sends what
 - checkpoints (version 9): ``checkpoints`` (a ``CheckpointQueue``: its
   rules) keeps each running job's latest, from any thread, and makes those
   whose interval lapsed ready (``checkpoints.due()``); ``frames_to_send``
-  sends them before any outcome, so a job's outcome, which makes its waiting
-  one ready, follows it; ``checkpointed`` resolves the receipts, and a lost
+  sends them before anything else, so a job's outcome (or any message that
+  ends its attempt), which makes its waiting one ready, follows it; ``checkpointed`` resolves the receipts, and a lost
   connection resolves the rest False;
 - ``update()`` changes labels or warm models: sent at once when connected,
   and the next ``hello`` carries them, so a reconnect never loses them;
@@ -396,7 +396,7 @@ class AgentProtocol:
         if self.state is not State.OPEN:
             out, self._control = self._control, []  # the hello, nothing else before the welcome
             return out
-        out = self._control + self.checkpoints.frames(self.max_frame)  # a job's before its outcome
+        out = self.checkpoints.frames(self.max_frame) + self._control  # first: before a job's end
         out += pack_results(self._outcomes, self.max_frame, tuple(self._started))
         self._control, self._outcomes, self._started = [], [], []
         return out
