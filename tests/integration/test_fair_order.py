@@ -18,7 +18,7 @@ from gpuq.harness import running_server
 from gpuq.jobs import NewJob
 from gpuq.protocol import Device
 from gpuq.sql import queries
-from tests.helpers import wait_for
+from tests.helpers import dispatcher_idle, wait_for
 
 SLOTS = ["a#1"] * 4
 
@@ -217,3 +217,20 @@ async def test_one_tenant_s_unplaceable_jobs_do_not_hold_back_another_s(dsn, poo
         await srv.agent(["train"], 2, record, devices=devices)
         await wait_for(lambda: len(ran) >= 5)
     assert ran == ["b"] * 5
+
+
+async def test_a_tenant_new_to_the_server_is_leased_for_when_its_first_job_is_announced(dsn, pool):
+    """Fair share on, the agent idle: a tenant nobody has heard of (no weight, no usage) enqueues.
+    Its job's notification has the tenants with work read again: it runs at once, not at the next
+    refresh or poll (both a minute away here)."""
+    ran: list[str] = []
+
+    async def record(job) -> None:
+        ran.append(job.payload["t"])
+
+    await admin.set_tenant(pool, "a", 1)
+    async with running_server(dsn, tuning=Tuning(fair_share_seconds=60), poll_seconds=60) as srv:
+        await srv.agent(["train"], 2, record)
+        await dispatcher_idle()
+        await queue.enqueue_many(pool, [NewJob("train", {"t": "newcomer"}, tenant="newcomer")])
+        await wait_for(lambda: ran == ["newcomer"], timeout=5)

@@ -66,6 +66,7 @@ class Ledger:
         self.tenants: dict[str, Tenant] = {}
         self.waiting: dict[Key, set[str]] = {}  # kind or (kind, shape) -> tenants believed to have jobs pending
         self._turn = itertools.count()  # rotates the tenants without known work that are probed
+        self._mean = ESTIMATE_DEFAULT  # the estimate for a tenant first seen waiting
 
     def load(self, rows: Iterable[tuple[str, float, float, float, float, Sequence[float]]],
              waiting: Iterable[tuple[Key, str]]) -> None:
@@ -79,10 +80,16 @@ class Ledger:
             estimate = max(ESTIMATE_FLOOR, used / n) if n >= _SOME_ATTEMPTS else mean
             self.tenants[name] = Tenant(weight, used + sum(max(c, estimate) for c in running), floor, estimate,
                                         len(running))
+        self._mean = mean
+        self.load_waiting(waiting)
+
+    def load_waiting(self, waiting: Iterable[tuple[Key, str]]) -> None:
+        """The (key, tenant) pairs with jobs pending, read again (a tenant new here: the mean estimate)."""
         self.waiting = {}
         for key, name in waiting:
             self.waiting.setdefault(key, set()).add(name)
-            self.tenants.setdefault(name, Tenant(estimate=mean))
+            if name not in self.tenants:
+                self.tenants[name] = Tenant(estimate=self._mean)
 
     def any_waiting(self, keys: Iterable[Key]) -> bool:
         return any(self.waiting.get(k) for k in keys)

@@ -37,6 +37,7 @@ class FairShare:
         self.weights: dict[str, float] = {}
         self.ledger = Ledger()
         self._read_at, self._stale = -tuning.fair_share_seconds, True
+        self._waiting_at = self._read_at
 
     @property
     def on(self) -> bool:
@@ -45,25 +46,30 @@ class FairShare:
 
     async def refresh(self, why: Pass) -> bool:
         """Read the weights (and, on, the tenants) if a pass over everything asked since the last read, or
-        fair share is on and the last read is ``fair_share_seconds`` old; the throttle allows.
+        fair share is on and the last read is ``fair_share_seconds`` old; the throttle allows. On, kinds
+        announced (or a pass over everything) have the tenants with work read again (at most every ``fair_waiting_seconds``): a
+        tenant new to this server is leased for in the pass its first job's notification brings.
         Returns whether fair share was turned on or off."""
         now = time.monotonic()
         self._stale = self._stale or why.every or self.on
         if not self._stale or now - self._read_at < self.tuning.fair_share_seconds:
+            if self.on and (why.kinds or why.every) and now - self._waiting_at >= self.tuning.fair_waiting_seconds:
+                self.ledger.load_waiting(await self._waiting())
+                self._waiting_at = now
             return False
         was = self.on
         self.weights = await admin.tenant_weights(self.pool)
         if self.on:
-            await self._load()
-        self._read_at, self._stale = now, False
+            state = await self.pool.fetch(queries["fair_state"])
+            self.ledger.load([(r["tenant"], r["weight"], r["usage"], r["attempts"], r["usage_floor"], r["running"])
+                              for r in state], await self._waiting())
+        self._read_at = self._waiting_at = now
+        self._stale = False
         return was != self.on
 
-    async def _load(self) -> None:
-        state = await self.pool.fetch(queries["fair_state"])
-        waiting = await self.pool.fetch(queries["fair_waiting"])
-        self.ledger.load([(r["tenant"], r["weight"], r["usage"], r["attempts"], r["usage_floor"], r["running"])
-                          for r in state],
-                         [(r["kind"] if r["shape"] is None else (r["kind"], r["shape"]), r["tenant"]) for r in waiting])
+    async def _waiting(self) -> list[tuple[Key, str]]:
+        return [(r["kind"] if r["shape"] is None else (r["kind"], r["shape"]), r["tenant"])
+                for r in await self.pool.fetch(queries["fair_waiting"])]
 
     def wait_left(self) -> float | None:
         """Seconds until a read held back by the throttle is due, or (on) the next read (None: none is)."""
