@@ -38,6 +38,10 @@ I/O layer (``gpuq.agent``) feeds frames to ``receive()`` and sends what
   *unit*: a job or a ``Batch``. A cancelled item of a ready batch ends at once
   and the batch goes on without it; one of a running batch is only marked
   (the slot reports it ``cancelled`` when the batch handler returns).
+- device faults (version 9): ``device_fault()`` says devices of the hello are
+  bad (a handler's ``DeviceError``, an Xid or ECC error NVML read); kept
+  until a connection of version 9 is open (at most ``MAX_KEPT_FAULTS``), never
+  sent on an earlier one.
 - ``ThreadSafeAgentProtocol``: the same, every method that changes state
   under one lock, for an agent whose sync handlers' slots run in worker
   threads and call ``job_started``, ``job_done``/``job_failed`` and
@@ -56,13 +60,22 @@ from enum import Enum
 from typing import Any
 
 from gpuq.protocol.batches import Batch, Unit, check_batches, job_ids, units
-from gpuq.protocol.codes import BATCH_SINCE, PREFETCH_SINCE, SLOTS_SINCE, ErrorCode, ProtocolError
+from gpuq.protocol.codes import (
+    BATCH_SINCE,
+    MAX_FAULT_ERROR,
+    PREFETCH_SINCE,
+    QUARANTINE_SINCE,
+    SLOTS_SINCE,
+    ErrorCode,
+    ProtocolError,
+)
 from gpuq.protocol.describe import DeviceUsage
 from gpuq.protocol.fields import contains_nul
 from gpuq.protocol.frames import RESULTS_OVERHEAD, encode, encode_done, pack_progress, pack_results
 from gpuq.protocol.messages import (
     Ack,
     Cancel,
+    DeviceFault,
     Drain,
     Failed,
     Heartbeat,
@@ -77,6 +90,8 @@ from gpuq.protocol.messages import (
 )
 from gpuq.protocol.parse import parse_client, parse_server
 from gpuq.protocol.slots import SlotClock
+
+MAX_KEPT_FAULTS = 64  # device faults kept while no version 9 connection is open; more are dropped
 
 
 class State(Enum):
@@ -111,6 +126,7 @@ class AgentProtocol:
         self._started: list[int] = []  # started since the last frames_to_send (told in the next)
         self._speaks_started = False  # this connection's version has ``started`` (5)
         self._max_batch = 0  # this connection's: the hello's ``batch`` from version 7, else 0
+        self._faults, self._speaks_faults = list[str](), False  # device_fault frames kept; version 9 connection?
 
     @property
     def finished(self) -> bool:
@@ -145,7 +161,7 @@ class AgentProtocol:
             if not isinstance(msg, Welcome):
                 raise ProtocolError(ErrorCode.UNEXPECTED, f"expected welcome, got {msg}")
             self.state, self.max_frame, self.agent_id = State.OPEN, msg.max_payload, msg.agent_id
-            self._speaks_started = msg.protocol >= PREFETCH_SINCE
+            self._speaks_started, self._speaks_faults = msg.protocol >= PREFETCH_SINCE, msg.protocol >= QUARANTINE_SINCE
             self._max_batch = self.hello.batch if msg.protocol >= BATCH_SINCE else 0
             self.slots = None
             if msg.protocol >= SLOTS_SINCE:
@@ -352,6 +368,11 @@ class AgentProtocol:
         if self.state is State.OPEN:
             self._control.append(encode(checked))
 
+    def device_fault(self, devices: Iterable[int], source: str, error: str, job_id: int | None = None) -> None:
+        """Devices of the hello are bad (``fault_frame``): sent on the first version 9 connection."""
+        if (frame := fault_frame(self.hello, devices, source, error, job_id)) and len(self._faults) < MAX_KEPT_FAULTS:
+            self._faults.append(frame)
+
     def drain(self) -> None:
         """Ask for no more jobs: the agent is finishing and leaving; the ready jobs go back."""
         self.draining = True
@@ -375,14 +396,23 @@ class AgentProtocol:
         if self.state is not State.OPEN:
             out, self._control = self._control, []  # the hello, nothing else before the welcome
             return out
-        out = self._control + pack_results(self._outcomes, self.max_frame, tuple(self._started))
+        faults, self._faults = (self._faults, []) if self._speaks_faults else ([], self._faults)
+        out = faults + self._control + pack_results(self._outcomes, self.max_frame, tuple(self._started))
         self._control, self._outcomes, self._started = [], [], []
         return out
 
 
+def fault_frame(hello: Hello, devices: Iterable[int], source: str, error: str, job_id: int | None) -> str | None:
+    """A ``device_fault`` (``source``: handler, xid or ecc) for those of ``devices`` the hello named
+    (None: none of them)."""
+    known = {d.index for d in hello.devices}
+    mine = tuple(dict.fromkeys(i for i in devices if i in known))
+    return encode(DeviceFault(mine, source, error[:MAX_FAULT_ERROR], job_id)) if mine else None
+
+
 # Every method that changes state: the I/O layer calls them from its event loop, a sync slot from its thread.
 _CHANGES_STATE = ("connection_made", "connection_lost", "receive", "take", "job_started", "next_jobs", "_finish",
-                  "send_progress", "heartbeat", "update", "drain", "frames_to_send")
+                  "send_progress", "heartbeat", "update", "drain", "frames_to_send", "device_fault")
 
 
 class ThreadSafeAgentProtocol(AgentProtocol):

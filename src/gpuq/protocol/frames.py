@@ -62,6 +62,9 @@ def encode(msg: m.ServerMessage | m.ClientMessage) -> str:
                 "models": None if msg.models is None else list(msg.models)}
     elif isinstance(msg, m.Drain):
         body = {"type": "drain"}
+    elif isinstance(msg, m.DeviceFault):
+        body = {"type": "device_fault", "devices": list(msg.devices), "source": msg.source, "error": msg.error,
+                "job": msg.job}
     elif isinstance(msg, m.Progress):
         return pack_progress([progress_item(u.id, u.lease_token, u.fraction, u.message, u.data)
                               for u in msg.updates], 1 << 62)[0]

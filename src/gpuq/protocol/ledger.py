@@ -25,7 +25,11 @@ to push. The rules of the account (docs/protocol.md, "Dispatch"):
   items is held; held ready, it is one ready job; it is given only to an agent
   whose hello took batches of that size (``batch``), and numbered here;
 - ``usage`` is each device's last reported usage (only devices the hello
-  named); ``busy`` sums the slots' reports of the last minute (version 6).
+  named); ``busy`` sums the slots' reports of the last minute (version 6);
+- a ``quarantined`` device (the server's quarantine of bad GPUs, issue #33) is
+  given no new job, free or ready; what runs there finishes;
+- a job pushed with devices to ``avoid`` (those its last attempt failed on)
+  gets others when enough fit, else those.
 
 ``device_status`` presents the devices for /status and the dashboard.
 """
@@ -61,6 +65,7 @@ class Ledger:
         self._batched_extra = 0  # held items without devices beyond one per batch: they take no credit
         self._last_batch = 0  # the last batch number given on this connection
         self.usage: dict[int, DeviceUsage] = {}  # device index -> its last reported usage
+        self.quarantined: dict[int, str] = {}  # device index -> why it takes no new job (the server's quarantine)
         self.busy = BusyWindow()  # version 6: the agent's slot reports of the last minute
         self.taking = False  # between the hello and the drain (or the close)
         self._tracks_started = False  # version 5: else every pushed job starts at once
@@ -96,7 +101,8 @@ class Ledger:
         if not self.taking:
             return []
         used = {i for given in self.devices_in_use.values() for i in given}
-        return [d.index for d in self.devices if d.index not in used and d.memory_mb >= min_memory_mb]
+        return [d.index for d in self.devices
+                if d.index not in used and d.index not in self.quarantined and d.memory_mb >= min_memory_mb]
 
     def ready_devices(self, min_memory_mb: int = 0) -> list[int]:
         """Version 6, ``prefetch`` on: indices of the devices that run one held job and have none
@@ -104,7 +110,8 @@ class Ledger:
         if not self.taking or not self._ready_devices:
             return []
         given = Counter(i for _, devices in self._device_units() for i in devices)
-        return [d.index for d in self.devices if given[d.index] == 1 and d.memory_mb >= min_memory_mb]
+        return [d.index for d in self.devices
+                if given[d.index] == 1 and d.index not in self.quarantined and d.memory_mb >= min_memory_mb]
 
     # -- what is held ------------------------------------------------------------
 
@@ -147,11 +154,11 @@ class Ledger:
 
     # -- changes -----------------------------------------------------------------
 
-    def hold(self, job_id: int, lease_token: str, kind: str, gpus: int = 0,
-             min_memory_mb: int = 0, model: str | None = None) -> tuple[int, ...] | None:
+    def hold(self, job_id: int, lease_token: str, kind: str, gpus: int = 0, min_memory_mb: int = 0,
+             model: str | None = None, avoid: frozenset[int] = frozenset()) -> tuple[int, ...] | None:
         """Hold a job being pushed: it takes credit, or ``gpus`` devices of at least ``min_memory_mb``
-        (free ones, else ready ones: it starts when they free). The devices it was given; None,
-        and nothing held, when there are not enough."""
+        (free ones, else ready ones: it starts when they free), those not in ``avoid`` first. The
+        devices it was given; None, and nothing held, when there are not enough."""
         devices: tuple[int, ...] = ()
         if gpus:
             free = self.free_devices(min_memory_mb)
@@ -159,7 +166,7 @@ class Ledger:
                 free = self.ready_devices(min_memory_mb)  # to start when they free
             if len(free) < gpus:
                 return None
-            devices = tuple(free[:gpus])
+            devices = tuple(sorted(free, key=lambda i: i in avoid)[:gpus])  # stable: in index order
         self._keep(job_id, lease_token, kind, devices, model)
         return devices
 
@@ -249,7 +256,8 @@ class Ledger:
 
 def device_status(ledger: Ledger) -> list[dict[str, Any]]:
     """Each device the agent offers, as /status and the dashboard show it: its memory, its last
-    reported usage, the held job running there (``job``) and the one waiting for it (``next``)."""
+    reported usage, the held job running there (``job``), the one waiting for it (``next``) and
+    why it is quarantined (``quarantined``: None when it is not)."""
     running, waiting = ledger.device_jobs()
     out = []
     for d in ledger.devices:
@@ -257,5 +265,6 @@ def device_status(ledger: Ledger) -> list[dict[str, Any]]:
         out.append({"index": d.index, "name": d.name, "memory_mb": d.memory_mb,
                     "memory_used_mb": usage.memory_used_mb if usage else None,
                     "utilization": usage.utilization if usage else None,
-                    "job": running.get(d.index), "next": waiting.get(d.index)})
+                    "job": running.get(d.index), "next": waiting.get(d.index),
+                    "quarantined": ledger.quarantined.get(d.index)})
     return out

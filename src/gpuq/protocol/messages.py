@@ -18,7 +18,7 @@ from gpuq.protocol.describe import Device, DeviceUsage
 from gpuq.protocol.fields import progress_item
 from gpuq.protocol.slots import SlotReport
 
-__all__ = ["Ack", "Cancel", "ClientMessage", "Done", "Drain", "Error", "Failed", "Heartbeat", "Hello", "JobMessage",
+__all__ = ["Ack", "Cancel", "ClientMessage", "DeviceFault", "Done", "Drain", "Error", "Failed", "Heartbeat", "Hello", "JobMessage",
            "Jobs", "Progress", "ProgressUpdate", "Release", "Results", "ServerDrain", "ServerMessage", "Started",
            "Update", "Welcome", "attach_reporter", "mark_cancelled"]
 
@@ -127,7 +127,19 @@ class Progress:
     updates: tuple[ProgressUpdate, ...]
 
 
-ClientMessage = Hello | Done | Failed | Results | Heartbeat | Drain | Progress | Update | Started | Release
+@dataclass(frozen=True, slots=True)
+class DeviceFault:
+    """From the agent (protocol 9): these devices of its hello are bad. ``source``: ``handler`` (the
+    handler raised ``DeviceError``; ``job`` is its job), ``xid`` or ``ecc`` (NVML saw the error)."""
+
+    devices: tuple[int, ...]
+    source: str
+    error: str
+    job: int | None = None
+
+
+ClientMessage = (Hello | Done | Failed | Results | Heartbeat | Drain | Progress | Update | Started | Release
+                 | DeviceFault)
 
 
 # --------------------------------------------------------------------------

@@ -37,12 +37,16 @@ every rule of the connection lives here:
   ``cancel``) is per item, as for any job.
 - version 8: a pushed job carries its producer's trace (``traceparent``, and
   ``tracestate`` if any) when it has one; never before version 8.
+- version 9: the agent reports bad devices (``device_fault``, for devices its
+  hello named; others are dropped); the server's quarantine is
+  ``ledger.quarantined``. A job whose last attempt failed on devices of this
+  agent gets others here when enough fit (``failed_devices``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
@@ -52,6 +56,7 @@ from gpuq.protocol.codes import (
     PLACEMENT_SINCE,
     PREFETCH_SINCE,
     PROGRESS_SINCE,
+    QUARANTINE_SINCE,
     SLOTS_SINCE,
     TRACE_SINCE,
     CloseCode,
@@ -64,6 +69,7 @@ from gpuq.protocol.messages import (
     Ack,
     Cancel,
     ClientMessage,
+    DeviceFault,
     Done,
     Drain,
     Error,
@@ -107,6 +113,8 @@ class OutcomesReceived:
 
     outcomes: list[tuple[Done | Failed, str]]
     freed: int
+    # Failed jobs this connection held with devices: id -> (lease token, those devices).
+    failed_on: dict[int, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +152,13 @@ class SlotsReported:
     report: SlotReport
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceFaulted:
+    """Version 9: the agent says these devices of its hello are bad (the quarantine counts it)."""
+
+    fault: DeviceFault
+
+
 class FrameRefused(Error):
     """A frame got this ``error`` (or, for the same reason, closed the connection): for metrics and logs."""
 
@@ -151,7 +166,7 @@ class FrameRefused(Error):
 
 
 Event = (HelloReceived | OutcomesReceived | HeartbeatReceived | DrainRequested | ProgressReceived | AgentUpdated
-         | JobsReleased | SlotsReported | FrameRefused)
+         | JobsReleased | SlotsReported | DeviceFaulted | FrameRefused)
 
 
 class PushedJob(Protocol):
@@ -267,10 +282,15 @@ class ServerProtocol:
             return [DrainRequested()]
         if isinstance(msg, Progress):
             return self._progress(msg.updates)
+        if isinstance(msg, DeviceFault):
+            return self._device_fault(msg)
         raise ProtocolError(ErrorCode.UNEXPECTED, "hello was already received on this connection")
 
     def _outcomes(self, outcomes: tuple[Done | Failed, ...]) -> OutcomesReceived:
-        return OutcomesReceived(*self.ledger.settle(outcomes))
+        given = self.ledger.devices_in_use
+        failed_on = {o.id: (o.lease_token, given[o.id]) for o in outcomes
+                     if type(o) is Failed and o.id in given and self.ledger.holds(o.id, o.lease_token)} if given else {}
+        return OutcomesReceived(*self.ledger.settle(outcomes), failed_on)
 
     def _started(self, ids: tuple[int, ...]) -> None:
         self._needs(PREFETCH_SINCE, "started")
@@ -281,6 +301,13 @@ class ServerProtocol:
         self._needs(PREFETCH_SINCE, "release")
         back = self.ledger.release(ids)
         return [JobsReleased(back)] if back else []
+
+    def _device_fault(self, msg: DeviceFault) -> list[Event]:
+        """Only the devices the hello named count; a fault naming none of them is dropped."""
+        self._needs(QUARANTINE_SINCE, "device_fault")
+        known = {d.index for d in self.ledger.devices}
+        mine = tuple(i for i in msg.devices if i in known)
+        return [DeviceFaulted(DeviceFault(mine, msg.source, msg.error, msg.job))] if mine else []
 
     def _needs(self, version: int, what: str) -> None:
         if self.version < version:
@@ -335,8 +362,10 @@ class ServerProtocol:
         pushed: list[str] = []
         refused: list[Any] = []
         queued, traced = self.version >= SLOTS_SINCE, self.version >= TRACE_SINCE
-        for unit in group(jobs):
-            held = self._hold(unit)
+        units = group(jobs)
+        holds = {id(unit): self._hold(unit) for unit in _avoiding_first(units)}
+        for unit in units:
+            held = holds[id(unit)]
             if held is None:
                 refused.extend(unit)
                 continue
@@ -358,11 +387,21 @@ class ServerProtocol:
         memory = max((j.gpu_memory_mb or 0) for j in unit) if gpus else 0
         model = getattr(first, "model", None)
         if getattr(first, "batch", None) is None:
-            devices = self.ledger.hold(first.id, first.lease_token, first.kind, gpus, memory, model)
+            devices = self.ledger.hold(first.id, first.lease_token, first.kind, gpus, memory, model,
+                                       self._failed_here(first) if gpus else frozenset())
             return None if devices is None else (devices, None)
         if any(j.kind != first.kind or getattr(j, "gpus", 0) != gpus for j in unit):
             return None  # the agent would refuse the frame: one batch runs one kind on one set of devices
         return self.ledger.hold_batch([(j.id, j.lease_token) for j in unit], first.kind, gpus, memory, model)
+
+    def _failed_here(self, job: Any) -> frozenset[int]:
+        """The devices of this agent (by its name) that the job's last attempt failed on."""
+        failed = getattr(job, "failed_devices", ())
+        if not failed or self.hello is None:
+            return frozenset()
+        name = self.hello.agent
+        return frozenset(int(index) for agent, _, index in (f.rpartition(":") for f in failed)
+                         if agent == name and index.isdigit())
 
     def send_ack(self, accepted: tuple[int, ...], rejected: tuple[int, ...]) -> None:
         self._out.append(encode(Ack(accepted, rejected)))
@@ -394,6 +433,14 @@ class ServerProtocol:
             self._close = (code, close_reason(reason))
         self.state = State.CLOSED
         self.ledger.stop()
+
+
+def _avoiding_first(units: list[list[Any]]) -> list[list[Any]]:
+    """Units in the order their devices are chosen: those with devices to avoid first, so a job
+    that may go anywhere does not take the one device another must not get again."""
+    if not any(getattr(unit[0], "failed_devices", None) for unit in units):
+        return units
+    return sorted(units, key=lambda unit: not getattr(unit[0], "failed_devices", None))
 
 
 def close_reason(text: str) -> str:
