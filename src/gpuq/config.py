@@ -108,7 +108,7 @@ class Setting:
 
 
 _DB_COMMANDS = ("migrate", "serve", "sweep", "enqueue", "status", "jobs", "pause", "resume", "retry", "cancel", "show",
-                "wait", "schedule", "kind-timeout", "limit", "batch", "tenant")
+                "wait", "schedule", "kind-timeout", "limit", "batch", "tenant", "device")
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("database_url", "DATABASE_URL", None, parse_text, "PostgreSQL DSN",
