@@ -5,6 +5,9 @@ agent's connection; a job that failed on a device is retried on another one that
 
 import json
 
+import pytest
+import structlog
+
 from gpuq import quarantine
 from gpuq.agent import DeviceError
 from gpuq.harness import TOKEN, http_get, next_of, raw_agent, running_server
@@ -109,8 +112,10 @@ async def test_the_quarantine_outlives_the_connection_and_a_new_one_reads_it_fir
     async def handler(job):
         runs.append(job.devices)
 
+    from tests.integration.test_ui import READ, UI, _admin_headers, request
+
     await quarantine.quarantine(live_conn, "box", 0, "by hand: fan failure")  # gpuq device quarantine box:0
-    async with running_server(dsn, poll_seconds=60) as srv:
+    async with running_server(dsn, poll_seconds=60, **UI) as srv:
         jobs = [await enqueue(live_conn, "train", gpus=1) for _ in range(2)]
         await srv.agent(["train"], 1, handler, "box", devices=H100S)
 
@@ -120,6 +125,9 @@ async def test_the_quarantine_outlives_the_connection_and_a_new_one_reads_it_fir
         await wait_for(done)
         assert runs == [(1,), (1,)]
         assert (await status(srv))["agents"][0]["devices"][0]["quarantined"] == "by hand: fan failure"
+        _, _, body = await request(srv.port, "GET", "/ui/agents", await _admin_headers(srv.port, READ))
+        device = body.split('data-device="0"', 1)[1].split("</div>", 1)[0]
+        assert "quarantined</strong> (by hand: fan failure" in device
 
 
 async def test_a_job_that_failed_on_a_device_is_retried_on_another_that_fits(dsn, live_conn):
@@ -154,3 +162,69 @@ async def test_a_job_that_failed_on_a_device_is_retried_on_another_that_fits(dsn
 
         await wait_for(done)
     assert runs == [("a", (0,)), ("a", (0,)), ("b", (0,))]  # without the move: a again, and dead
+
+
+# -- the controls: gpuq device, gpuq status, the dashboard ----------------------------
+
+
+@pytest.fixture
+def logging_kept():
+    """The CLI's admin events point structlog at the captured stderr: put it back afterwards."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
+def test_gpuq_device_lists_quarantines_and_clears_and_gpuq_status_shows_them(dsn, capsys, logging_kept):
+    from gpuq.cli import main
+
+    def gpuq(*argv: str) -> tuple[int, str, str]:
+        code = main([*argv, "--database-url", dsn])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    assert gpuq("device") == (0, "no device is quarantined\n", "")
+    code, out, err = gpuq("device", "quarantine", "box:1", "--reason", "fan failure")
+    assert (code, out) == (0, "box:1: quarantined: it takes no new job\n") and '"event": "admin.device_quarantine"' in err
+    assert gpuq("device", "quarantine", "box:1")[:2] == (0, "box:1: quarantined already\n")
+    code, out, _ = gpuq("device", "list")
+    assert out.splitlines()[0].split() == ["device", "since", "faults", "reason"]
+    assert out.splitlines()[1].split()[0] == "box:1" and out.splitlines()[1].endswith("0  fan failure")
+    assert "quarantined: box:1 since " in gpuq("status")[1] and "(fan failure; gpuq device clear box:1)" in gpuq("status")[1]
+    code, out, err = gpuq("device", "clear", "box")  # every device of it
+    assert (code, out) == (0, "box:1: cleared: it takes new jobs again\n") and '"event": "admin.device_clear"' in err
+    assert gpuq("device", "clear", "box:1")[:2] == (1, "box:1: not quarantined\n")
+    for argv, says in ((["device", "clear"], "gpuq device clear AGENT[:INDEX]"),
+                       (["device", "quarantine", "box"], "name the device to quarantine"),
+                       (["device", "clear", "bad name:0"], "bad device 'bad name:0'")):
+        code, _, err = gpuq(*argv)
+        assert code == 1 and says in err, (argv, err)
+
+
+async def test_the_controls_page_lists_quarantined_gpus_and_only_an_admin_clears_one(dsn, pool):
+    from structlog.testing import capture_logs
+
+    from tests.integration.test_ui import READ, UI, _admin_headers, request
+
+    await quarantine.quarantine(pool, "box", 0, "xid: Xid 79")
+    async with running_server(dsn, **UI) as srv:
+        read_only = await _admin_headers(srv.port, READ)
+        _, _, body = await request(srv.port, "GET", "/ui/controls", read_only)
+        row = body.split('<tr data-device="box:0">', 1)[1].split("</tr>", 1)[0]
+        assert "xid: Xid 79" in row and "/ui/devices/clear" not in body  # read-only: no Clear
+        assert (await request(srv.port, "POST", "/ui/devices/clear?device=box%3A0", read_only))[0] == 403
+        assert [q["device"] for q in await quarantine.listing(pool)] == ["box:0"]
+        admin = await _admin_headers(srv.port)
+        _, _, body = await request(srv.port, "GET", "/ui/controls", admin)
+        assert 'hx-post="/ui/devices/clear?device=box%3A0"' in body
+        with capture_logs() as logged:
+            status, _, body = await request(srv.port, "POST", "/ui/devices/clear?device=bad%20name", admin)
+            assert status == 400 and "bad device" in body
+            assert (await request(srv.port, "POST", "/ui/devices/clear?device=box%3A0", admin))[0] == 204
+            status, _, body = await request(srv.port, "POST", "/ui/devices/clear?device=box%3A0", admin)
+            assert status == 404 and "not quarantined" in body
+        assert await quarantine.listing(pool) == []
+        assert [(e["action"], e["device"], e["cleared"]) for e in logged if e["event"] == "ui.action"] == [
+            ("clear_device", "box:0", [0]), ("clear_device", "box:0", [])]
+        _, _, body = await request(srv.port, "GET", "/ui/controls", admin)
+        assert 'data-device="box:0"' not in body
