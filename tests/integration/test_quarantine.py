@@ -47,11 +47,11 @@ async def test_repeated_device_errors_quarantine_a_gpu_that_then_gets_no_new_job
         await srv.agent(["train"], 1, handler, "box", devices=H100S)
         first = [await enqueue(live_conn, "train", gpus=2, max_attempts=1) for _ in range(2)]
 
-        async def quarantined() -> bool:  # as placement sees it: the agent's devices
-            return (await status(srv))["agents"][0]["devices"][0]["quarantined"] is not None
+        async def quarantined() -> bool:  # as placement sees it (the agent's devices), both jobs ended
+            return ((await status(srv))["agents"][0]["devices"][0]["quarantined"] is not None
+                    and await states(live_conn, first) == ["dead", "dead"])
 
         await wait_for(quarantined)
-        assert await states(live_conn, first) == ["dead", "dead"]
         body = await status(srv)
         [q] = body["quarantined"]
         assert (q["device"], q["faults"]) == ("box:0", 2) and "2 device faults" in q["reason"]

@@ -61,8 +61,10 @@ class Quarantine(Writer):
         """An agent reported bad devices: written (and perhaps quarantined) in the background."""
         log.warning("device.fault", agent=session.id, devices=list(fault.devices), source=fault.source,
                     job_id=fault.job, error=fault.error[:200])
-        self._faults.append((session.name, fault))
-        self.wake()
+        quarantined = session.protocol.ledger.quarantined
+        if devices := tuple(i for i in fault.devices if i not in quarantined):  # those are out already
+            self._faults.append((session.name, DeviceFault(devices, fault.source, fault.error, fault.job)))
+            self.wake()
 
     def changed(self, agent: str) -> None:
         """The quarantine of agents named ``agent`` changed (a notification): read it again."""
