@@ -258,3 +258,26 @@ def test_faults_reads_nothing_quietly_where_nvml_cannot_report_them(monkeypatch)
                                                           events_supported=False))
     assert gpus.Faults(H100S[:1]).read() == []
     assert gpus.Faults(()).read() == []  # no devices: NVML is not even asked
+
+
+# -- DeviceError through the agent's own slots (gpuq.testing) ---------------------------
+
+
+async def test_a_device_error_from_a_sync_an_async_or_a_batch_handler_reports_the_devices_once():
+    from gpuq.testing import LocalAgent
+
+    def sync(job):
+        raise DeviceError("Xid 79 seen by the handler", devices=[1])
+
+    async def batch(jobs):
+        return [DeviceError("ECC") for _ in jobs]  # one per item: one fault for the batch
+
+    async with LocalAgent(sync, devices=2) as agent:
+        outcome = await agent.run(devices=(0, 1))
+        assert outcome.failed and not outcome.permanent and "DeviceError" in outcome.error
+    assert [(f.devices, f.source, f.error, f.job) for f in agent.faults] == [
+        ((1,), "handler", "Xid 79 seen by the handler", 1)]
+    async with LocalAgent(batch_handler=batch, devices=1) as agent:
+        outcomes = await agent.run_batch([{}, {}, {}], devices=(0,))
+        assert all(o.failed for o in outcomes)
+    assert [f.devices for f in agent.faults] == [(0,)]
