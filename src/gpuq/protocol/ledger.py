@@ -254,6 +254,24 @@ class Ledger:
         self.usage.update((u.index, u) for u in usage if u.index in known)
 
 
+def failed_here(job: Any, hello: Hello | None) -> frozenset[int]:
+    """The devices of the agent that said ``hello`` (by its name) that the job's last attempt failed
+    on (``failed_devices``: 'agent:index', the server's record): the ones ``hold`` gives it last."""
+    failed = getattr(job, "failed_devices", ())
+    if not failed or hello is None:
+        return frozenset()
+    return frozenset(int(index) for agent, _, index in (f.rpartition(":") for f in failed)
+                     if agent == hello.agent and index.isdigit())
+
+
+def avoiding_first(units: list[list[Any]]) -> list[list[Any]]:
+    """Pushed units in the order their devices are chosen: those with devices to avoid first, so a
+    job that may go anywhere does not take the one device another must not get again."""
+    if not any(getattr(unit[0], "failed_devices", None) for unit in units):
+        return units
+    return sorted(units, key=lambda unit: not getattr(unit[0], "failed_devices", None))
+
+
 def device_status(ledger: Ledger) -> list[dict[str, Any]]:
     """Each device the agent offers, as /status and the dashboard show it: its memory, its last
     reported usage, the held job running there (``job``), the one waiting for it (``next``) and

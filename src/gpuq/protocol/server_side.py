@@ -64,7 +64,7 @@ from gpuq.protocol.codes import (
     ProtocolError,
 )
 from gpuq.protocol.frames import encode, job_message, jobs_frame
-from gpuq.protocol.ledger import Ledger
+from gpuq.protocol.ledger import Ledger, avoiding_first, failed_here
 from gpuq.protocol.messages import (
     Ack,
     Cancel,
@@ -363,9 +363,10 @@ class ServerProtocol:
         refused: list[Any] = []
         queued, traced = self.version >= SLOTS_SINCE, self.version >= TRACE_SINCE
         units = group(jobs)
-        holds = {id(unit): self._hold(unit) for unit in _avoiding_first(units)}
+        # An agent with devices holds first the jobs that must avoid some (``avoiding_first``).
+        holds = {id(unit): self._hold(unit) for unit in avoiding_first(units)} if self.ledger.devices else None
         for unit in units:
-            held = holds[id(unit)]
+            held = self._hold(unit) if holds is None else holds[id(unit)]
             if held is None:
                 refused.extend(unit)
                 continue
@@ -388,20 +389,11 @@ class ServerProtocol:
         model = getattr(first, "model", None)
         if getattr(first, "batch", None) is None:
             devices = self.ledger.hold(first.id, first.lease_token, first.kind, gpus, memory, model,
-                                       self._failed_here(first) if gpus else frozenset())
+                                       failed_here(first, self.hello) if gpus else frozenset())
             return None if devices is None else (devices, None)
         if any(j.kind != first.kind or getattr(j, "gpus", 0) != gpus for j in unit):
             return None  # the agent would refuse the frame: one batch runs one kind on one set of devices
         return self.ledger.hold_batch([(j.id, j.lease_token) for j in unit], first.kind, gpus, memory, model)
-
-    def _failed_here(self, job: Any) -> frozenset[int]:
-        """The devices of this agent (by its name) that the job's last attempt failed on."""
-        failed = getattr(job, "failed_devices", ())
-        if not failed or self.hello is None:
-            return frozenset()
-        name = self.hello.agent
-        return frozenset(int(index) for agent, _, index in (f.rpartition(":") for f in failed)
-                         if agent == name and index.isdigit())
 
     def send_ack(self, accepted: tuple[int, ...], rejected: tuple[int, ...]) -> None:
         self._out.append(encode(Ack(accepted, rejected)))
@@ -433,14 +425,6 @@ class ServerProtocol:
             self._close = (code, close_reason(reason))
         self.state = State.CLOSED
         self.ledger.stop()
-
-
-def _avoiding_first(units: list[list[Any]]) -> list[list[Any]]:
-    """Units in the order their devices are chosen: those with devices to avoid first, so a job
-    that may go anywhere does not take the one device another must not get again."""
-    if not any(getattr(unit[0], "failed_devices", None) for unit in units):
-        return units
-    return sorted(units, key=lambda unit: not getattr(unit[0], "failed_devices", None))
 
 
 def close_reason(text: str) -> str:
