@@ -8,7 +8,7 @@ import json
 import pytest
 import structlog
 
-from gpuq import quarantine
+from gpuq import admin, quarantine
 from gpuq.agent import DeviceError
 from gpuq.harness import TOKEN, http_get, next_of, raw_agent, running_server
 from gpuq.producer import enqueue
@@ -140,7 +140,9 @@ async def test_a_job_that_failed_on_a_device_is_retried_on_another_that_fits(dsn
                 raise DeviceError("NCCL error: unhandled cuda error")
         return handler
 
-    async with running_server(dsn, poll_seconds=60) as srv:
+    from tests.integration.test_ui import READ, UI, _admin_headers, request
+
+    async with running_server(dsn, poll_seconds=60, **UI) as srv:
         await srv.agent(["train"], 1, on("a", True), "a", devices=ONE)
         job = await enqueue(live_conn, "train", gpus=1, max_attempts=3)
 
@@ -151,7 +153,9 @@ async def test_a_job_that_failed_on_a_device_is_retried_on_another_that_fits(dsn
             return check
 
         await wait_for(await failed(1))
-        assert await live_conn.fetchval("SELECT failed_devices FROM gpuq.jobs WHERE id = $1", job) == ["a:0"]
+        assert (await admin.show(live_conn, job))["failed_devices"] == ["a:0"]  # gpuq show, the job page
+        _, _, body = await request(srv.port, "GET", f"/ui/jobs/{job}", await _admin_headers(srv.port, READ))
+        assert '<span id="job-failed-devices">last failed on a:0</span>' in body
         await make_due(live_conn, job)  # no other device: it goes back to the one it failed on
         await wait_for(await failed(2))
         await srv.agent(["train"], 1, on("b", False), "b", devices=ONE)

@@ -725,7 +725,8 @@ SELECT id, kind, status::text AS status, priority, attempts, max_attempts, paylo
        result::text AS result, last_error, leased_by, lease_expires_at, run_at, created_at, started_at,
        finished_at, dedup_key, timeout_seconds, deadline_at, progress::text AS progress,
        gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, batch_id, batch_size,
-       traceparent, tracestate, coalesce(tenant, 'default') AS tenant
+       traceparent, tracestate, coalesce(tenant, 'default') AS tenant,
+       failed_devices
 FROM gpuq.jobs WHERE id = $1;
 
 -- name: job_attempts
