@@ -232,3 +232,18 @@ async def test_the_controls_page_lists_quarantined_gpus_and_only_an_admin_clears
             ("clear_device", "box:0", [0]), ("clear_device", "box:0", [])]
         _, _, body = await request(srv.port, "GET", "/ui/controls", admin)
         assert 'data-device="box:0"' not in body
+
+
+async def test_a_quarantine_whose_notification_was_missed_is_read_again_soon(dsn, live_conn):
+    async def noop(job):
+        return None
+
+    async with running_server(dsn, poll_seconds=60) as srv:
+        await srv.agent(["train"], 1, noop, "box", devices=H100S)
+        # As if the notification were lost (LISTEN down, or a server that only polls): none is sent.
+        await live_conn.execute("INSERT INTO gpuq.quarantined_devices (agent, device, reason) VALUES ('box', 1, 'x')")
+
+        async def read() -> bool:
+            return (await status(srv))["agents"][0]["devices"][1]["quarantined"] == "x"
+
+        await wait_for(read)  # within fleet_refresh_seconds (2 s)

@@ -58,7 +58,7 @@ class Dispatcher:
         self.roster = Roster(pool, tuning, self.sessions)  # this server's agents, for the other servers
         self.placing = Placing(pool, config, tuning, self.roster)
         self.batching = Batching(pool, config, tuning)
-        self.quarantine = Quarantine(pool, Policy(config.quarantine_faults, config.quarantine_window_seconds), self.sessions, self._quarantine_changed, tuning.shutdown_db_seconds)
+        self.quarantine = Quarantine(pool, Policy(config.quarantine_faults, config.quarantine_window_seconds), self.sessions, self._quarantine_changed, tuning)
         self.trigger.on_quarantine, self._passes = self.quarantine.changed, 0
 
     @property

@@ -10,7 +10,11 @@ It owns what this server knows of the quarantine (the rule: ``gpuq.quarantine``)
 - the faults agents report (protocol 9), written in the background: the
   server's reader never waits on the database. The statement decides in one
   step whether the device is now quarantined, so every server counts the
-  same faults.
+  same faults. One the database refuses is logged and dropped, never retried
+  forever;
+- every ``reread_seconds`` it reads its agents' quarantine again (one small
+  statement): a notification missed (LISTEN lost, or a server that only
+  polls) costs at most that.
 
 ``on_change(session, freed)`` tells the dispatcher a session's quarantine
 changed (``freed``: a device may take work again: a pass is due).
@@ -22,10 +26,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import anyio
+import asyncpg
 
 from gpuq import db, logs, quarantine
 from gpuq.dispatcher.sessions import AgentSession
+from gpuq.dispatcher.tuning import Tuning
 from gpuq.dispatcher.writer import Writer
+from gpuq.loops import Outage, run_every
 from gpuq.protocol import DeviceFault
 
 log = logs.get("dispatcher")
@@ -36,12 +43,24 @@ class Quarantine(Writer):
     failed_event = "quarantine.write_failed"
 
     def __init__(self, pool: Any, policy: quarantine.Policy, sessions: Iterable[AgentSession],
-                 on_change: Callable[[AgentSession, bool], None], read_seconds: float = 5.0):
+                 on_change: Callable[[AgentSession, bool], None], tuning: Tuning):
         super().__init__()
         self.pool, self.policy, self._sessions, self._on_change = pool, policy, sessions, on_change
-        self.read_seconds = read_seconds  # the most admit() waits for the database
+        self.read_seconds = tuning.shutdown_db_seconds  # the most admit() waits for the database
+        self.reread_seconds = tuning.fleet_refresh_seconds
         self._faults: list[tuple[str, DeviceFault]] = []  # (agent name, fault) not written yet
         self._reread: set[str] = set()  # agent names whose quarantine to read again
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: run_every(self.reread_seconds, self._reread_all, errors=db.RETRYABLE_ERRORS,
+                                            outage=Outage(log, "quarantine.read_failed")))
+            await super().run()
+
+    async def _reread_all(self) -> None:
+        if names := {s.name for s in self._sessions if s.protocol.ledger.devices}:
+            self._reread |= names
+            self.wake()
 
     async def admit(self, session: AgentSession) -> None:
         """Read the quarantine of a connecting agent's devices before it is given work. Bounded:
@@ -74,8 +93,14 @@ class Quarantine(Writer):
     async def write(self) -> None:
         while self._faults:  # one at a time: a failure keeps the rest queued
             name, fault = self._faults[0]
-            now = await quarantine.record_fault(self.pool, name, list(fault.devices), fault.source, fault.error,
-                                                fault.job, self.policy)
+            try:
+                now = await quarantine.record_fault(self.pool, name, list(fault.devices), fault.source,
+                                                    fault.error, fault.job, self.policy)
+            except db.RETRYABLE_ERRORS:
+                raise
+            except asyncpg.PostgresError as exc:  # never: every field was checked
+                log.error("device.fault_refused", agent=name, devices=list(fault.devices), error=str(exc))
+                now = {}
             del self._faults[0]
             for index, reason in now.items():
                 log.warning("device.quarantined", agent=name, device=index, reason=reason)
