@@ -178,6 +178,9 @@ class LeasedJob:
     trace: TraceContext | None = None
     # Placed jobs: the devices ('agent:index') its last attempt failed on; placement avoids them when it can.
     failed_devices: tuple[str, ...] = ()
+    # The job's last checkpoint as PostgreSQL's JSON text (None: none), pushed to agents of protocol 9
+    # as ``resume_from`` (docs/design.md, "Checkpoints"); spliced like the payload.
+    resume_json: str | None = None
 
     @property
     def payload(self) -> Any:

@@ -224,13 +224,15 @@ class AgentServer:
             # Fenced in the database by the lease token; acked either way.
             if event.failed_on:
                 d.failed_on(session, event.failed_on)
-            d.submit(session, event.outcomes, event.freed)
+            d.submit(session, event.outcomes, event.freed, event.ran)
         elif isinstance(event, server_side.HeartbeatReceived):
             d.heartbeat(session, event.ids)
         elif isinstance(event, server_side.DrainRequested):
             d.agent_draining(session)
         elif isinstance(event, server_side.ProgressReceived):
             d.report_progress(event.updates)
+        elif isinstance(event, server_side.CheckpointsReceived):
+            d.checkpoint(session, event.items)
         elif isinstance(event, server_side.AgentUpdated):
             d.agent_updated(session)
         elif isinstance(event, server_side.JobsReleased):

@@ -8,9 +8,10 @@ import json
 import pytest
 import structlog
 
-from gpuq import admin, quarantine
+from gpuq import admin, fairlease, quarantine, queue
 from gpuq.agent import DeviceError
 from gpuq.harness import TOKEN, http_get, next_of, raw_agent, running_server
+from gpuq.jobs import NewJob
 from gpuq.producer import enqueue
 from gpuq.protocol import Device
 from tests.helpers import dispatcher_idle, wait_for
@@ -166,6 +167,18 @@ async def test_a_job_that_failed_on_a_device_is_retried_on_another_that_fits(dsn
 
         await wait_for(done)
     assert runs == [("a", (0,)), ("a", (0,)), ("b", (0,))]  # without the move: a again, and dead
+
+
+async def test_every_placed_lease_returns_the_devices_a_job_failed_on_and_its_checkpoint(conn):
+    """The placed lease, the limited one and fair share's: each leased job comes with the devices
+    its last attempt failed on (placement moves it off them) and its checkpoint (its resume_from)."""
+    await queue.enqueue_many(conn, [NewJob("train", gpus=1, tenant="t") for _ in range(3)])
+    await conn.execute("""UPDATE gpuq.jobs SET failed_devices = '{a:0}', checkpoint = '{"step": 50}'""")
+    (shape,) = await queue.read_shapes(conn)
+    leased = [*await queue.lease_placed(conn, shape, ["b#1"], 30),
+              *await queue.lease_limited(conn, shape, ["b#1"], 30, scan_keys=False),
+              *(j for j, _, _ in await fairlease.lease_placed_fair(conn, shape, ["t"], ["b#1"], 30))]
+    assert [(j.failed_devices, json.loads(j.resume_json or "null")) for j in leased] == [(("a:0",), {"step": 50})] * 3
 
 
 # -- the controls: gpuq device, gpuq status, the dashboard ----------------------------

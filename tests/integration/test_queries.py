@@ -23,7 +23,8 @@ NAMES = {
     "fleet_put", "fleet_drop", "fleet_refresh", "fleet_prune", "fleet_others", "backlog",
     "complete_many_charged", "fail_many_charged", "tenant_set", "tenant_weights", "half_life_set", "half_life",
     "tenant_usage", "device_fault", "quarantine_set", "quarantine_clear", "quarantined", "quarantined_of",
-    "failed_devices", "move_leases",
+    "failed_devices", "move_leases", "record_checkpoints",
+    "lease_fair", "lease_placed_fair", "fair_state", "fair_waiting", "tenant_lift",
 }
 MULTI_STATEMENT = {"migrations_bootstrap", "plan_guards"}  # run as a simple query, never prepared
 

@@ -5,7 +5,10 @@ outcome queued by then with one ``complete_many`` and one ``fail_many``, then
 acks each agent. While fair share is on (``charging``) their ``_charged``
 variants also charge each attempt's GPU-seconds to its tenant, in the same
 statement; off, nothing more is written. Jobs given back unstarted (``release_unstarted``) and leases
-no agent will run (``release``) go back to pending in the same flush. A batch
+no agent will run (``release``) go back to pending in the same flush. Checkpoints
+(protocol 9) are written first in each flush, fenced like outcomes, and answered
+(``checkpointed``) after their commit: a job's checkpoint, which its agent sends
+before its outcome (or release), is thus always written before that ends the lease. A batch
 the database refuses (a value jsonb cannot take) is written one by one, so one
 bad outcome cannot block the others.
 """
@@ -24,7 +27,8 @@ from gpuq.dispatcher.spans import ServerSpans
 from gpuq.dispatcher.writer import Writer
 from gpuq.jobs import FailOutcome, JobBackoff
 from gpuq.latency import JobLatency
-from gpuq.protocol import Done, Failed
+from gpuq.protocol import CheckpointItem, Done, Failed
+from gpuq.protocol.fields import to_json
 
 log = logs.get("completer")
 
@@ -35,6 +39,8 @@ class Session(Protocol):
     id: str
 
     def send_ack(self, accepted: tuple[int, ...], rejected: tuple[int, ...]) -> None: ...
+
+    def send_checkpointed(self, stored: tuple[int, ...], refused: tuple[int, ...]) -> None: ...
 
 
 class Completer(Writer):
@@ -64,10 +70,16 @@ class Completer(Writer):
         self.orphans: list[int] = []  # leased for an agent that left before the push
         self.unstarted: list[tuple[Session, tuple[tuple[int, str], ...]]] = []  # given back, (id, token)
         self.failed_devices: list[tuple[int, str, tuple[str, ...]]] = []  # (id, token, 'agent:index'...) failed there
+        self.ran: dict[int, float] = {}  # job id -> its handler's run time, where the agent told its start
+        self.checkpoints: list[tuple[Session, CheckpointItem]] = []  # in the order they came
         self._lock = anyio.Lock()
 
-    def submit(self, session: Session, outcomes: Iterable[tuple[Done | Failed, str]]) -> None:
-        """Queue ``(outcome, kind)`` pairs reported by ``session``; acked after the commit."""
+    def submit(self, session: Session, outcomes: Iterable[tuple[Done | Failed, str]],
+               ran: dict[int, float] | None = None) -> None:
+        """Queue ``(outcome, kind)`` pairs reported by ``session``; acked after the commit. ``ran``:
+        the run times the protocol measured (fair share charges them, else the lease's age)."""
+        if ran:
+            self.ran.update(ran)
         for msg, kind in outcomes:
             if isinstance(msg, Done):
                 self.done.append((session, msg, kind))
@@ -80,6 +92,11 @@ class Completer(Writer):
         Written before their outcome, in the same flush: their next lease avoids those devices."""
         self.failed_devices.extend((i, token, tuple(quarantine.device_name(agent, d) for d in devices))
                                    for i, (token, devices) in failed.items())
+
+    def submit_checkpoints(self, session: Session, items: Iterable[CheckpointItem]) -> None:
+        """Queue checkpoints of jobs ``session`` holds; answered after the commit."""
+        self.checkpoints.extend((session, item) for item in items)
+        self.wake()
 
     def release(self, ids: Iterable[int]) -> None:
         """Give back leases that no agent will run (their agent left before the push)."""
@@ -97,7 +114,7 @@ class Completer(Writer):
 
     async def flush(self) -> None:
         async with self._lock:
-            while self.done or self.failed or self.orphans or self.unstarted:
+            while self.done or self.failed or self.orphans or self.unstarted or self.checkpoints:
                 try:
                     await self._flush_once()
                 except asyncpg.DataError as exc:
@@ -135,23 +152,22 @@ class Completer(Writer):
             session.send_ack((), (msg.id,))
 
     async def _flush_once(self) -> None:
-        if given := self.unstarted[:100]:  # its own commit: done and failed are retried without it
+        # All taken at once, before any write, and the checkpoints written first: a job's
+        # checkpoint came before its outcome or release, so it is written while the lease holds.
+        checkpoints, self.checkpoints = self.checkpoints, []
+        given = self.unstarted[:100]
+        done, failed, orphans = self.done[:1000], self.failed[:1000], self.orphans[:1000]
+        if checkpoints:
+            try:
+                await self._write_checkpoints(checkpoints)
+            except BaseException:
+                self.checkpoints[:0] = checkpoints  # kept, first, for the next try
+                raise
+        if given:  # its own commit: done and failed are retried without it
             await self._release_unstarted(given)
             del self.unstarted[:len(given)]
-        done, failed, orphans = self.done[:1000], self.failed[:1000], self.orphans[:1000]
         started = self.spans.write_started() if self.spans is not None else 0
-        accepted: set[int] = set()
-        outcomes: dict[int, FailOutcome] = {}
-        charge = self.charging()
-        if done:
-            accepted = await queue.complete_many(self.pool, [(m.id, m.lease_token, m.result) for _, m, _ in done],
-                                                 charge)
-        if failed and (on := list(self.failed_devices)):
-            await quarantine.record_failed_devices(self.pool, on)
-            del self.failed_devices[:len(on)]
-        if failed:
-            outcomes = await queue.fail_many(
-                self.pool, [(m.id, m.lease_token, m.error, m.retryable) for _, m, _ in failed], self.backoff, charge)
+        accepted, outcomes = await self._write_outcomes(done, failed)
         if orphans:
             await queue.release_jobs(self.pool, orphans, undelivered=True)
         # Committed: now take them off the queue and tell the agents.
@@ -183,6 +199,48 @@ class Completer(Writer):
         for session, (ok_ids, bad_ids) in acks.items():
             session.send_ack(tuple(ok_ids), tuple(bad_ids))
         self._log(done, failed, accepted, outcomes)
+
+    async def _write_checkpoints(self, checkpoints: list[tuple[Session, CheckpointItem]]) -> None:
+        """Store each job's latest checkpoint (an earlier one of the same job in the batch is
+        answered as the latest is: it was replaced), then answer each agent."""
+        latest = {item.id: item for _, item in checkpoints}  # the last of each job wins
+        try:
+            stored = await queue.record_checkpoints(self.pool, [(c.id, c.lease_token, to_json(c.data))
+                                                                for c in latest.values()])
+        except asyncpg.DataError as exc:  # never: the parser checked the data as the agent did
+            log.error("checkpoint.refused", job_ids=sorted(latest), error=str(exc))
+            stored = set()
+        answers: dict[Session, tuple[list[int], list[int]]] = {}
+        for session, item in checkpoints:
+            ok = item.id in stored and latest[item.id].lease_token == item.lease_token
+            answers.setdefault(session, ([], []))[0 if ok else 1].append(item.seq)
+        for session, (ok_seqs, bad_seqs) in answers.items():
+            session.send_checkpointed(tuple(ok_seqs), tuple(bad_seqs))
+        metrics.CHECKPOINTS_WRITTEN.inc(len(stored))
+        if refused := [i for i in latest if i not in stored]:
+            log.warning("checkpoint.rejected", job_ids=refused, count=len(refused),
+                        reason="stale lease token (the lease was reclaimed or the job finished)")
+
+    async def _write_outcomes(self, done: list[tuple[Session, Done, str]],
+                              failed: list[tuple[Session, Failed, str]]) -> tuple[set[int], dict[int, FailOutcome]]:
+        """Write outcomes: the ids done accepted, and each accepted failure's outcome. While fair share
+        is on, each attempt charges its run time as the protocol measured it (else its lease's age)."""
+        accepted: set[int] = set()
+        outcomes: dict[int, FailOutcome] = {}
+        charge, ran = self.charging(), self.ran
+        if done:
+            accepted = await queue.complete_many(self.pool, [(m.id, m.lease_token, m.result) for _, m, _ in done],
+                                                 charge, [ran.get(m.id) for _, m, _ in done] if charge else None)
+        if failed and (on := list(self.failed_devices)):  # before the outcome ends the lease
+            await quarantine.record_failed_devices(self.pool, on)
+            del self.failed_devices[:len(on)]
+        if failed:
+            outcomes = await queue.fail_many(
+                self.pool, [(m.id, m.lease_token, m.error, m.retryable) for _, m, _ in failed], self.backoff, charge,
+                [ran.get(m.id) for _, m, _ in failed] if charge else None)
+        for _, m, _ in (*done, *failed) if ran else ():
+            ran.pop(m.id, None)
+        return accepted, outcomes
 
     async def _release_unstarted(self, given: list[tuple[Session, tuple[tuple[int, str], ...]]]) -> None:
         moved = await queue.release_unstarted(self.pool, [job for _, jobs in given for job in jobs])

@@ -20,6 +20,12 @@ I/O layer (``gpuq.agent``) feeds frames to ``receive()`` and sends what
   thread, until ``send_progress()`` (the I/O layer calls it at most twice a
   second); a job's outcome drops its unsent update, and updates are not kept
   across a reconnect (the new connection does not hold those jobs);
+- checkpoints (version 9): ``checkpoints`` (a ``CheckpointQueue``: its
+  rules) keeps each running job's latest, from any thread, and makes those
+  whose interval lapsed ready (``checkpoints.due()``); ``frames_to_send``
+  sends them before anything else, so a job's outcome (or any message that
+  ends its attempt), which makes its waiting one ready, follows it; ``checkpointed`` resolves the receipts, and a lost
+  connection resolves the rest False;
 - ``update()`` changes labels or warm models: sent at once when connected,
   and the next ``hello`` carries them, so a reconnect never loses them;
 - slots (version 5, ``hello.prefetch``): at most ``capacity`` jobs without
@@ -60,9 +66,10 @@ from enum import Enum
 from typing import Any
 
 from gpuq.protocol.batches import Batch, Unit, check_batches, job_ids, units
+from gpuq.protocol.checkpoints import DEFAULT_CHECKPOINT_SECONDS, CheckpointQueue
 from gpuq.protocol.codes import (
     BATCH_SINCE,
-    MAX_FAULT_ERROR,
+    CHECKPOINT_SINCE,
     PREFETCH_SINCE,
     QUARANTINE_SINCE,
     SLOTS_SINCE,
@@ -70,12 +77,18 @@ from gpuq.protocol.codes import (
     ProtocolError,
 )
 from gpuq.protocol.describe import DeviceUsage
-from gpuq.protocol.fields import contains_nul
-from gpuq.protocol.frames import RESULTS_OVERHEAD, encode, encode_done, pack_progress, pack_results
+from gpuq.protocol.frames import (
+    RESULTS_OVERHEAD,
+    done_or_failed,
+    encode,
+    fault_frame,
+    pack_progress,
+    pack_results,
+)
 from gpuq.protocol.messages import (
     Ack,
     Cancel,
-    DeviceFault,
+    Checkpointed,
     Drain,
     Failed,
     Heartbeat,
@@ -119,6 +132,7 @@ class AgentProtocol:
         self._progress: dict[int, str] = {}
         self._progress_asked = False  # progress() has asked for a send_progress() not yet done
         self._progress_lock = threading.Lock()
+        self.checkpoints = CheckpointQueue(DEFAULT_CHECKPOINT_SECONDS, clock)  # version 9; any thread may add
         self.ready: deque[Unit] = deque()  # pushed jobs (and batches) without devices waiting for a slot
         self.ready_gpu: list[Unit] = []  # pushed jobs (and batches) waiting for their devices, in push order
         self._slots_busy = 0  # jobs without devices running now (at most capacity)
@@ -146,6 +160,7 @@ class AgentProtocol:
         for unit in self.waiting:
             for job_id in job_ids(unit):
                 self.running.pop(job_id, None)
+        self.checkpoints.lost(job.lease_token for job in self.running.values())
         self.ready.clear()
         self.ready_gpu = []
         self._slots_busy = 0
@@ -163,6 +178,7 @@ class AgentProtocol:
             self.state, self.max_frame, self.agent_id = State.OPEN, msg.max_payload, msg.agent_id
             self._speaks_started, self._speaks_faults = msg.protocol >= PREFETCH_SINCE, msg.protocol >= QUARANTINE_SINCE
             self._max_batch = self.hello.batch if msg.protocol >= BATCH_SINCE else 0
+            self.checkpoints.enabled = msg.protocol >= CHECKPOINT_SINCE
             self.slots = None
             if msg.protocol >= SLOTS_SINCE:
                 self.slots = SlotClock(self.hello.capacity, (d.index for d in self.hello.devices), self.clock())
@@ -184,6 +200,8 @@ class AgentProtocol:
             for i in (*msg.accepted, *msg.rejected):
                 self.unacked.pop(i, None)
             self.completed += len(msg.accepted)
+        elif isinstance(msg, Checkpointed):
+            self.checkpoints.answered(msg.stored, msg.refused)
         elif isinstance(msg, Cancel):
             running = [self.running[i] for i in msg.ids if i in self.running]
             for job in running:
@@ -298,7 +316,8 @@ class AgentProtocol:
     # -- outcomes ------------------------------------------------------------
 
     def job_done(self, job: JobMessage, result: Any) -> None:
-        self._finish(job, self._done(job, result))  # encoded before the lock: a result can be large
+        # Encoded before the lock: a result can be large.
+        self._finish(job, done_or_failed(job.id, job.lease_token, result, self.max_frame))
 
     def job_failed(self, job: JobMessage, error: str, retryable: bool) -> None:
         self._finish(job, encode(Failed(job.id, job.lease_token, error, retryable)))
@@ -306,23 +325,9 @@ class AgentProtocol:
     def _finish(self, job: JobMessage, item: str) -> None:
         self.running.pop(job.id, None)
         self._progress.pop(job.id, None)  # the outcome says more
+        self.checkpoints.finish(job.id, job.lease_token)  # its waiting one goes out before the outcome
         self.unacked[job.id] = item
         self._outcomes.append(item)
-
-    def _done(self, job: JobMessage, result: Any) -> str:
-        """The encoded ``done``, or a permanent ``failed`` for a result the server could not take."""
-        limit = self.max_frame - RESULTS_OVERHEAD
-        try:
-            item = encode_done(job.id, job.lease_token, result)
-        except (TypeError, ValueError) as exc:
-            return encode(Failed(job.id, job.lease_token, f"result is not JSON-serializable: {exc}", False))
-        if len(item) > limit:
-            return encode(Failed(job.id, job.lease_token, f"result of {len(item)} bytes is over the server's "
-                                 f"limit of {limit} bytes", False))
-        if "\\u0000" in item and contains_nul(result):
-            return encode(Failed(job.id, job.lease_token, "result contains the character U+0000, which "
-                                 "PostgreSQL cannot store in jsonb", False))
-        return item
 
     # -- progress ------------------------------------------------------------
 
@@ -374,8 +379,8 @@ class AgentProtocol:
             self._faults.append(frame)
 
     def drain(self) -> None:
-        """Ask for no more jobs: the agent is finishing and leaving; the ready jobs go back."""
-        self.draining = True
+        """Ask for no more jobs: the agent is leaving; the ready jobs go back, checkpoints at once."""
+        self.draining, self.checkpoints.interval = True, 0.0
         if self.state is State.OPEN:
             self._control.append(encode(Drain()))
             self._release_ready()
@@ -397,17 +402,10 @@ class AgentProtocol:
             out, self._control = self._control, []  # the hello, nothing else before the welcome
             return out
         faults, self._faults = (self._faults, []) if self._speaks_faults else ([], self._faults)
-        out = faults + self._control + pack_results(self._outcomes, self.max_frame, tuple(self._started))
+        out = self.checkpoints.frames(self.max_frame) + faults + self._control  # first: before a job's end
+        out += pack_results(self._outcomes, self.max_frame, tuple(self._started))
         self._control, self._outcomes, self._started = [], [], []
         return out
-
-
-def fault_frame(hello: Hello, devices: Iterable[int], source: str, error: str, job_id: int | None) -> str | None:
-    """A ``device_fault`` (``source``: handler, xid or ecc) for those of ``devices`` the hello named
-    (None: none of them)."""
-    known = {d.index for d in hello.devices}
-    mine = tuple(dict.fromkeys(i for i in devices if i in known))
-    return encode(DeviceFault(mine, source, error[:MAX_FAULT_ERROR], job_id)) if mine else None
 
 
 # Every method that changes state: the I/O layer calls them from its event loop, a sync slot from its thread.

@@ -4,7 +4,7 @@ One frozen dataclass per message of docs/protocol.md; ``ClientMessage`` is
 what an agent sends, ``ServerMessage`` what the server sends. ``parse``
 builds them from frames (strictly), ``frames`` encodes them. A pushed job
 (``JobMessage``) is also what a handler gets: it carries the two fields that
-change while it runs (``cancelled``, and where ``progress()`` reports).
+change while it runs (``cancelled``, and where ``progress()`` and ``checkpoint()`` report).
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ from typing import Any
 
 from gpuq.protocol.codes import PROTOCOL_VERSION
 from gpuq.protocol.describe import Device, DeviceUsage
-from gpuq.protocol.fields import progress_item
+from gpuq.protocol.fields import checkpoint_data, progress_item
+from gpuq.protocol.receipts import Receipt
 from gpuq.protocol.slots import SlotReport
 
-__all__ = ["Ack", "Cancel", "ClientMessage", "DeviceFault", "Done", "Drain", "Error", "Failed", "Heartbeat", "Hello", "JobMessage",
-           "Jobs", "Progress", "ProgressUpdate", "Release", "Results", "ServerDrain", "ServerMessage", "Started",
-           "Update", "Welcome", "attach_reporter", "mark_cancelled"]
+__all__ = ["Ack", "Cancel", "Checkpoint", "CheckpointItem", "Checkpointed", "ClientMessage", "DeviceFault", "Done", "Drain",
+           "Error", "Failed", "Heartbeat", "Hello", "JobMessage", "Jobs", "Progress", "ProgressUpdate", "Release", "Results",
+           "ServerDrain", "ServerMessage", "Started", "Update", "Welcome", "attach_checkpointer", "attach_reporter",
+           "mark_cancelled"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +140,24 @@ class DeviceFault:
     job: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class CheckpointItem(_LeasedJob):
+    """One job's checkpoint: ``seq``, the agent's number for it (the server's answer names it),
+    and ``data``, any JSON but null."""
+
+    seq: int
+    data: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """From the agent (protocol 9): running jobs' checkpoints, each to store fenced by its lease."""
+
+    items: tuple[CheckpointItem, ...]
+
+
 ClientMessage = (Hello | Done | Failed | Results | Heartbeat | Drain | Progress | Update | Started | Release
-                 | DeviceFault)
+                 | DeviceFault | Checkpoint)
 
 
 # --------------------------------------------------------------------------
@@ -177,9 +195,13 @@ class JobMessage:
     # Protocol 8: the producer's trace, (traceparent, tracestate or None), when it had one: the
     # handler's span continues it.
     trace: tuple[str, str | None] | None = None
+    # Protocol 9: the job's last stored checkpoint (an earlier attempt's ``checkpoint()``), or None.
+    resume_from: Any = None
     cancelled: bool = field(default=False, compare=False)
     # Where progress() sends an encoded update (the agent sets it); None: nowhere.
     reporter: Callable[[int, str], None] | None = field(default=None, compare=False, repr=False)
+    # Where checkpoint() sends (id, lease token, data as JSON) for a receipt (the agent sets it).
+    checkpointer: Callable[[int, str, str], Receipt] | None = field(default=None, compare=False, repr=False)
 
     def progress(self, fraction: float, message: str | None = None, data: Any = None) -> None:
         """Report how far this job has got: ``fraction`` from 0 to 1, an optional message (cut to
@@ -190,6 +212,20 @@ class JobMessage:
         if self.reporter is not None:
             self.reporter(self.id, item)
 
+    def checkpoint(self, data: Any) -> Receipt:
+        """Store ``data`` (any JSON but None, up to 8 KiB: a step, the URI of weights the handler
+        saved) as this job's checkpoint: an attempt that runs it again (a retry, a lost lease)
+        gets it as ``job.resume_from``. Stored fenced by the lease, like an outcome; the agent
+        sends a job's first at once and then at most one per ``checkpoint_seconds`` (the latest;
+        one still waiting goes out before the job's outcome). Call it from any thread. The
+        receipt says whether it was stored: ``await job.checkpoint(data)`` (async handlers) or
+        ``job.checkpoint(data).wait()`` (sync ones) gives True, or False when it was refused (the
+        lease was lost) or could not be sent. ``ValueError`` for bad data."""
+        data_json = checkpoint_data(data)
+        if self.checkpointer is None:
+            return Receipt.resolved(False)
+        return self.checkpointer(self.id, self.lease_token, data_json)
+
 
 def mark_cancelled(job: JobMessage) -> None:
     """Set ``job.cancelled``: the one field of a pushed job that changes (server cancel, or its timeout)."""
@@ -199,6 +235,11 @@ def mark_cancelled(job: JobMessage) -> None:
 def attach_reporter(job: JobMessage, reporter: Callable[[int, str], None]) -> None:
     """Where ``job.progress()`` sends its updates (the agent's side of the connection)."""
     object.__setattr__(job, "reporter", reporter)
+
+
+def attach_checkpointer(job: JobMessage, checkpointer: Callable[[int, str, str], Receipt]) -> None:
+    """Where ``job.checkpoint()`` sends its checkpoints (the agent's side of the connection)."""
+    object.__setattr__(job, "checkpointer", checkpointer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,4 +275,13 @@ class Cancel(_JobIds):
     __slots__ = ()
 
 
-ServerMessage = Welcome | Jobs | Ack | ServerDrain | Error | Cancel
+@dataclass(frozen=True, slots=True)
+class Checkpointed:
+    """From the server (protocol 9): checkpoints (by the agent's ``seq``) committed, and those
+    refused (fencing: the job is not held with that lease token any more)."""
+
+    stored: tuple[int, ...]
+    refused: tuple[int, ...]
+
+
+ServerMessage = Welcome | Jobs | Ack | ServerDrain | Error | Cancel | Checkpointed

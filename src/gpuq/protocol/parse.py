@@ -23,6 +23,7 @@ from gpuq.protocol.codes import (
     MAX_CAPACITY,
     MAX_ERROR_TEXT,
     MAX_FAULT_ERROR,
+    MAX_JOB_ID,
     MAX_KINDS,
     MAX_PREFETCH,
     MAX_RESULTS,
@@ -45,6 +46,7 @@ from gpuq.protocol.fields import (
     BAD_MESSAGE,
     batch_number,
     check_progress,
+    checkpoint_data,
     contains_nul,
     device_indices,
     exact_fields,
@@ -118,6 +120,11 @@ def parse_client(frame: str | bytes, max_size: int) -> m.ClientMessage:
         if not isinstance(updates, list) or not 1 <= len(updates) <= MAX_RESULTS:
             raise ProtocolError(BAD_MESSAGE, f"progress.updates must be a list of 1-{MAX_RESULTS} updates")
         return m.Progress(tuple(_progress_update(u) for u in updates))
+    if kind == "checkpoint":
+        items = obj["checkpoints"]
+        if not isinstance(items, list) or not 1 <= len(items) <= MAX_RESULTS:
+            raise ProtocolError(BAD_MESSAGE, f"checkpoint.checkpoints must be a list of 1-{MAX_RESULTS} checkpoints")
+        return m.Checkpoint(tuple(_checkpoint_item(c) for c in items))
     return m.Drain()
 
 
@@ -132,6 +139,7 @@ _CLIENT_FIELDS = {
     "heartbeat": {"type", "ids"},
     "drain": {"type"},
     "progress": {"type", "updates"},
+    "checkpoint": {"type", "checkpoints"},
     "update": {"type", "labels", "models"},
     "started": {"type", "ids"},
     "release": {"type", "ids"},
@@ -171,6 +179,26 @@ def _device_fault(obj: dict[str, Any]) -> m.DeviceFault:
     job = None if obj["job"] is None else job_id(obj["job"])
     return m.DeviceFault(tuple(devices), obj["source"], obj["error"][:MAX_FAULT_ERROR].replace("\x00", "\ufffd"),
                          job)
+
+
+_CHECKPOINT_FIELDS = {"id", "lease_token", "seq", "data"}
+
+
+def _checkpoint_item(obj: Any) -> m.CheckpointItem:
+    if not isinstance(obj, dict) or obj.keys() != _CHECKPOINT_FIELDS:
+        raise ProtocolError(BAD_MESSAGE, "each checkpoint must be an object with exactly "
+                            f"{', '.join(sorted(_CHECKPOINT_FIELDS))}")
+    try:
+        checkpoint_data(obj["data"])
+    except ValueError as exc:
+        raise ProtocolError(BAD_MESSAGE, str(exc)) from None
+    return m.CheckpointItem(job_id(obj["id"]), token(obj["lease_token"]), _seq(obj["seq"]), obj["data"])
+
+
+def _seq(value: Any) -> int:
+    if type(value) is int and 0 < value <= MAX_JOB_ID:
+        return value
+    raise ProtocolError(BAD_MESSAGE, f"checkpoint seq must be a positive 64-bit integer, not {str(value)[:40]!r}")
 
 
 def _outcome(obj: Any, maybe_nul: bool) -> m.Done | m.Failed:
@@ -249,7 +277,8 @@ def parse_server(frame: str | bytes) -> m.ServerMessage:
             return m.Jobs(tuple(m.JobMessage(job_id(j["id"]), token(j["lease_token"]), str(j["kind"]),
                                              j["payload"], int(j["attempt"]), timeout(j.get("timeout")),
                                              device_indices(j.get("devices")), queued(j.get("queued_ms")),
-                                             batch_number(j.get("batch")), _trace(j) if "traceparent" in j else None)
+                                             batch_number(j.get("batch")), _trace(j) if "traceparent" in j else None,
+                                             j.get("resume_from"))
                                 for j in obj["jobs"]))
         if kind == "ack":
             return m.Ack(tuple(job_id(i) for i in obj["accepted"]), tuple(job_id(i) for i in obj["rejected"]))
@@ -257,6 +286,8 @@ def parse_server(frame: str | bytes) -> m.ServerMessage:
             return m.ServerDrain(float(obj["deadline_seconds"]))
         if kind == "error":
             return m.Error(str(obj["code"]), str(obj["message"]))
+        if kind == "checkpointed":
+            return m.Checkpointed(tuple(job_id(i) for i in obj["stored"]), tuple(job_id(i) for i in obj["refused"]))
         if kind == "cancel":
             ids = obj["ids"]
             if not isinstance(ids, list) or len(ids) > MAX_CANCEL_IDS:

@@ -1,7 +1,7 @@
 """The rules of one agent connection, as the server sees it: a state machine without I/O.
 
 The I/O layer (``gpuq.server``) feeds it every frame with ``receive(frame, now)``
-and acts on what it returns: events for the dispatcher, ``frames_to_send()``
+and acts on what it returns: events for the dispatcher (``events.py``), ``frames_to_send()``
 for the socket and ``close_to_send()`` once the connection must end. The
 dispatcher queues jobs, acks and drains through it. What the connection
 holds and may take (credit, devices, usage) is its ``ledger`` (``ledger.py``);
@@ -41,18 +41,22 @@ every rule of the connection lives here:
   hello named; others are dropped); the server's quarantine is
   ``ledger.quarantined``. A job whose last attempt failed on devices of this
   agent gets others here when enough fit (``failed_devices``).
+- version 9: a pushed job carries its last checkpoint (``resume_from``) when
+  it has one; the agent's ``checkpoint`` items count only for jobs held with
+  that lease token: the others are answered ``refused`` at once, the held
+  ones once the dispatcher has written them (``send_checkpointed``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
 from gpuq.protocol.batches import group
 from gpuq.protocol.codes import (
     CANCEL_SINCE,
+    CHECKPOINT_SINCE,
     PLACEMENT_SINCE,
     PREFETCH_SINCE,
     PROGRESS_SINCE,
@@ -63,11 +67,28 @@ from gpuq.protocol.codes import (
     ErrorCode,
     ProtocolError,
 )
+from gpuq.protocol.events import (
+    AgentUpdated,
+    CheckpointsReceived,
+    DeviceFaulted,
+    DrainRequested,
+    Event,
+    FrameRefused,
+    HeartbeatReceived,
+    HelloReceived,
+    JobsReleased,
+    OutcomesReceived,
+    ProgressReceived,
+    SlotsReported,
+)
 from gpuq.protocol.frames import encode, job_message, jobs_frame
 from gpuq.protocol.ledger import Ledger, avoiding_first, failed_here
 from gpuq.protocol.messages import (
     Ack,
     Cancel,
+    Checkpoint,
+    Checkpointed,
+    CheckpointItem,
     ClientMessage,
     DeviceFault,
     Done,
@@ -86,7 +107,6 @@ from gpuq.protocol.messages import (
     Welcome,
 )
 from gpuq.protocol.parse import parse_client
-from gpuq.protocol.slots import SlotReport
 
 HELLO_TIMEOUT_SECONDS = 10.0
 MAX_ERRORS_PER_CONNECTION = 100  # then the connection is closed with 4000
@@ -97,76 +117,6 @@ class State(Enum):
     AWAITING_HELLO = "awaiting_hello"
     OPEN = "open"
     CLOSED = "closed"
-
-
-# -- events for the dispatcher ---------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class HelloReceived:
-    hello: Hello
-
-
-@dataclass(frozen=True, slots=True)
-class OutcomesReceived:
-    """Outcomes to persist, each with its job's kind ('?' when not held here); ``freed`` credits."""
-
-    outcomes: list[tuple[Done | Failed, str]]
-    freed: int
-    # Failed jobs this connection held with devices: id -> (lease token, those devices).
-    failed_on: dict[int, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class HeartbeatReceived:
-    ids: tuple[int, ...]  # only jobs this connection holds
-
-
-@dataclass(frozen=True, slots=True)
-class DrainRequested:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class AgentUpdated:
-    """Labels or warm models changed (version 4): placement may now differ."""
-
-
-@dataclass(frozen=True, slots=True)
-class ProgressReceived:
-    updates: tuple[ProgressUpdate, ...]  # only jobs this connection holds, with their lease token
-
-
-@dataclass(frozen=True, slots=True)
-class JobsReleased:
-    """Version 5: held jobs the agent will not start, ``(id, lease_token)``: back to pending now,
-    their attempt not counted; they no longer take credit."""
-
-    jobs: tuple[tuple[int, str], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class SlotsReported:
-    """Version 6: the agent's busy time and gaps since its last report (for the gap histogram)."""
-
-    report: SlotReport
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceFaulted:
-    """Version 9: the agent says these devices of its hello are bad (the quarantine counts it)."""
-
-    fault: DeviceFault
-
-
-class FrameRefused(Error):
-    """A frame got this ``error`` (or, for the same reason, closed the connection): for metrics and logs."""
-
-    __slots__ = ()
-
-
-Event = (HelloReceived | OutcomesReceived | HeartbeatReceived | DrainRequested | ProgressReceived | AgentUpdated
-         | JobsReleased | SlotsReported | DeviceFaulted | FrameRefused)
 
 
 class PushedJob(Protocol):
@@ -284,17 +234,19 @@ class ServerProtocol:
             return self._progress(msg.updates)
         if isinstance(msg, DeviceFault):
             return self._device_fault(msg)
+        if isinstance(msg, Checkpoint):
+            return self._checkpoint(msg.items)
         raise ProtocolError(ErrorCode.UNEXPECTED, "hello was already received on this connection")
 
     def _outcomes(self, outcomes: tuple[Done | Failed, ...]) -> OutcomesReceived:
         given = self.ledger.devices_in_use
         failed_on = {o.id: (o.lease_token, given[o.id]) for o in outcomes
                      if type(o) is Failed and o.id in given and self.ledger.holds(o.id, o.lease_token)} if given else {}
-        return OutcomesReceived(*self.ledger.settle(outcomes), failed_on)
+        return OutcomesReceived(*self.ledger.settle(outcomes, self._now), failed_on)
 
     def _started(self, ids: tuple[int, ...]) -> None:
         self._needs(PREFETCH_SINCE, "started")
-        self.ledger.mark_started(ids)
+        self.ledger.mark_started(ids, self._now)
 
     def _release(self, ids: tuple[int, ...]) -> list[Event]:
         """Give back held jobs the agent never started; a started one stays (its outcome will come)."""
@@ -322,6 +274,15 @@ class ServerProtocol:
         holds = self.ledger.holds
         mine = tuple(u for u in updates if holds(u.id, u.lease_token))
         return [ProgressReceived(mine)] if mine else []
+
+    def _checkpoint(self, items: tuple[CheckpointItem, ...]) -> list[Event]:
+        """Checkpoints of jobs held with that token go to be written; the others are refused now."""
+        self._needs(CHECKPOINT_SINCE, "checkpoint")
+        holds = self.ledger.holds
+        mine = tuple(c for c in items if holds(c.id, c.lease_token))
+        if len(mine) < len(items):
+            self.send_checkpointed((), tuple(c.seq for c in items if not holds(c.id, c.lease_token)))
+        return [CheckpointsReceived(mine)] if mine else []
 
     def _heartbeat(self, ids: tuple[int, ...]) -> list[Event]:
         mine = self.ledger.held
@@ -362,6 +323,7 @@ class ServerProtocol:
         pushed: list[str] = []
         refused: list[Any] = []
         queued, traced = self.version >= SLOTS_SINCE, self.version >= TRACE_SINCE
+        resumes = self.version >= CHECKPOINT_SINCE
         units = group(jobs)
         # An agent with devices holds first the jobs that must avoid some (``avoiding_first``).
         holds = {id(unit): self._hold(unit) for unit in avoiding_first(units)} if self.ledger.devices else None
@@ -374,7 +336,8 @@ class ServerProtocol:
             pushed.extend(job_message(j.id, j.lease_token, j.kind, j.payload_json, j.attempt,
                                       getattr(j, "timeout_seconds", None), devices,
                                       getattr(j, "queued_ms", None) if queued else None, number,
-                                      getattr(j, "trace", None) if traced else None)
+                                      getattr(j, "trace", None) if traced else None,
+                                      getattr(j, "resume_json", None) if resumes else None)
                           for j in unit)
         if pushed:
             self._out.append(jobs_frame(pushed))
@@ -397,6 +360,10 @@ class ServerProtocol:
 
     def send_ack(self, accepted: tuple[int, ...], rejected: tuple[int, ...]) -> None:
         self._out.append(encode(Ack(accepted, rejected)))
+
+    def send_checkpointed(self, stored: tuple[int, ...], refused: tuple[int, ...]) -> None:
+        """Answer the agent's checkpoints (by its ``seq``): committed, or refused by fencing."""
+        self._out.append(encode(Checkpointed(stored, refused)))
 
     def cancel(self, ids: Iterable[int]) -> list[int]:
         """Tell the agent these jobs were cancelled: those this connection holds, if its version
