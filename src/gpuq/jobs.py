@@ -176,6 +176,8 @@ class LeasedJob:
     batch: int | None = None  # batched jobs: the batch's number (its jobs go in one handler call)
     # The producer's trace (None: none), pushed to agents of protocol 8 (docs/design.md, "Tracing").
     trace: TraceContext | None = None
+    # Placed jobs: the devices ('agent:index') its last attempt failed on; placement avoids them when it can.
+    failed_devices: tuple[str, ...] = ()
     # The job's last checkpoint as PostgreSQL's JSON text (None: none), pushed to agents of protocol 9
     # as ``resume_from`` (docs/design.md, "Checkpoints"); spliced like the payload.
     resume_json: str | None = None

@@ -199,7 +199,7 @@ def placed_job(shape: Shape, r: Any, batch: int | None = None) -> LeasedJob:
                      r["leased_by"], r["payload_json"], r["timeout_seconds"], shape.gpus, shape.gpu_memory_mb,
                      r["queued_ms"], shape.model, batch,
                      trace=None if (tp := r["traceparent"]) is None else (tp, r["tracestate"]),
-                     resume_json=r["checkpoint_json"])
+                     failed_devices=tuple(r.get("failed_devices") or ()), resume_json=r["checkpoint_json"])
 
 
 # A limited lease reads at most this many of a keyed shape's next jobs looking

@@ -60,6 +60,7 @@ from gpuq.protocol import (
     Checkpoint,
     Checkpointed,
     Device,
+    DeviceFault,
     Done,
     Failed,
     Hello,
@@ -218,7 +219,8 @@ class LocalAgent:
     """An agent without a connection: jobs built in memory go to its slots, and their outcomes to
     ``Run`` objects. ``handler`` takes single jobs, ``batch_handler`` batches (and single jobs when
     there is no ``handler``), as with ``gpuq.agent.Agent``; both async, or both sync. ``devices``:
-    the GPUs jobs may be given, ``Device`` objects or a count of stand-ins (0, 1, ...).
+    the GPUs jobs may be given, ``Device`` objects or a count of stand-ins (0, 1, ...); ``faults``:
+    the devices a handler's ``DeviceError`` reported, as the server would get them (``DeviceFault``).
     ``max_payload``: the server's frame limit (a larger result fails permanently).
     ``checkpoint_seconds``: each job's checkpoints go out at most this often (the agent's option)."""
 
@@ -237,6 +239,7 @@ class LocalAgent:
         self.protocol = self._slots.protocol
         self.max_payload = max_payload
         self._runs: dict[int, Run] = {}  # job id -> its run, every job started
+        self.faults: list[DeviceFault] = []  # what the agent reported of its devices (a handler's DeviceError)
         self._last_batch = 0
         self._tasks: TaskGroup | None = None
         self._exit = contextlib.AsyncExitStack()
@@ -345,6 +348,8 @@ class LocalAgent:
         server refuses a cancelled job's)."""
         for frame in self.protocol.frames_to_send():
             msg = parse_client(frame, self.max_payload)
+            if isinstance(msg, DeviceFault):
+                self.faults.append(msg)
             if isinstance(msg, Checkpoint):
                 self._store(msg)
             outcomes = msg.outcomes if isinstance(msg, Results) else ()

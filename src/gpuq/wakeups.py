@@ -6,8 +6,9 @@ trigger of migration 0005 and the statements of ``sql/queries.sql``):
 - ``gpuq_jobs`` (``NOTIFY_CHANNEL``), to the dispatchers: ``+`` (inserted
   while a dispatcher waits), ``kind@priority`` (inserted above a lease
   floor), ``kind!`` (moved back to pending, behind any cursor), ``kind``,
-  ``*`` (anything, anywhere), or ``cancel:ID,...`` (``CANCEL_PREFIX``: stop
-  these leased jobs);
+  ``*`` (anything, anywhere), ``cancel:ID,...`` (``CANCEL_PREFIX``: stop
+  these leased jobs), or ``quarantine:AGENT`` (``QUARANTINE_PREFIX``: the
+  quarantine of that agent's devices changed, migration 0022);
 - ``gpuq_outcomes`` and ``gpuq_progress``, to ``gpuq.wait``: comma-joined ids.
 
 The handshake (docs/design.md, "Wake-ups"): a dispatcher arms the wake-up
@@ -25,6 +26,7 @@ NOTIFY_CHANNEL = "gpuq_jobs"  # also in queries.sql (notify) and the trigger of 
 OUTCOMES_CHANNEL = "gpuq_outcomes"  # job ids that ended (done, dead, cancelled): what gpuq.wait listens to
 PROGRESS_CHANNEL = "gpuq_progress"  # job ids whose progress was written: what gpuq.wait(on_progress=) listens to
 CANCEL_PREFIX = "cancel:"  # gpuq.cancel() announces leased jobs it cancelled: 'cancel:41,42'
+QUARANTINE_PREFIX = "quarantine:"  # a device of that agent was quarantined or cleared: 'quarantine:box-1'
 _IDS_PER_NOTIFY = 300  # ids of up to 19 digits stay under NOTIFY's 8000-byte payload
 _MAX_KINDS_PAYLOAD = 7000  # longer lists of kinds go as '*'
 

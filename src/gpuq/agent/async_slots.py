@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 from gpuq.agent import spans
 from gpuq.agent.batches import batch_jobs, record_raised, record_returned
-from gpuq.agent.handlers import CANCELLED_ERROR, TIMEOUT_ERROR, Job, PermanentError, summary
+from gpuq.agent.handlers import (
+    CANCELLED_ERROR,
+    TIMEOUT_ERROR,
+    Job,
+    PermanentError,
+    report_fault,
+    summary,
+)
 from gpuq.agent.slots import Slots
 from gpuq.protocol.batches import Unit
 
@@ -80,6 +87,7 @@ class AsyncSlots(Slots):
         except PermanentError as exc:
             self.protocol.job_failed(job, summary(exc), retryable=False)
         except Exception as exc:  # the handler's failure is the job's, not ours
+            report_fault(self.protocol, job, exc)
             self.protocol.job_failed(job, summary(exc), retryable=True)
         else:
             self.protocol.job_done(job, result)

@@ -80,6 +80,7 @@ class Agent:
         # The GPUs jobs may get: given, or what NVML sees (none without an NVIDIA driver).
         self.devices = gpus.detect() if devices is None else tuple(devices)
         self._usage = gpus.Usage(self.devices)
+        self._faults = gpus.Faults(self.devices)  # Xid and ECC errors, where NVML reads them
         self._ready = asyncio.Event()  # the protocol has frames to send
         self._stop_event = asyncio.Event()
         self._reconnect_now = _Nudge()  # stop() cuts the current reconnect wait short, not the later ones
@@ -301,6 +302,9 @@ class Agent:
     async def _heartbeats(self, every: float) -> None:
         while True:
             await anyio.sleep(every)
+            for index, source, error in self._faults.read():
+                log.warning("agent.device_fault", agent=self.name, device=index, source=source, error=error)
+                self.protocol.device_fault((index,), source, error)
             self.protocol.heartbeat(self._usage.read())
             self._ready.set()
 

@@ -14,7 +14,7 @@ import anyio
 from gpuq import protocol
 from gpuq.agent import spans
 from gpuq.agent.batches import batch_jobs, record_raised, record_returned
-from gpuq.agent.handlers import TIMEOUT_ERROR, Job, PermanentError, summary
+from gpuq.agent.handlers import TIMEOUT_ERROR, Job, PermanentError, report_fault, summary
 from gpuq.agent.slots import Slots
 from gpuq.protocol.batches import Unit
 
@@ -94,6 +94,7 @@ class ThreadSlots(Slots):
         except PermanentError as exc:
             self.protocol.job_failed(job, summary(exc), retryable=False)
         except Exception as exc:  # the handler's failure is the job's, not ours
+            report_fault(self.protocol, job, exc)
             self.protocol.job_failed(job, summary(exc), retryable=True)
         else:
             if expired:
