@@ -64,6 +64,7 @@ class Ledger:
 
     def __init__(self) -> None:
         self.tenants: dict[str, Tenant] = {}
+        self.vts: dict[str, float] = {}  # each tenant's virtual time, kept as it changes (read in C per lease)
         self.waiting: dict[Key, set[str]] = {}  # kind or (kind, shape) -> tenants believed to have jobs pending
         self._turn = itertools.count()  # rotates the tenants without known work that are probed
         self._mean = ESTIMATE_DEFAULT  # the estimate for a tenant first seen waiting
@@ -83,6 +84,7 @@ class Ledger:
         self._mean = mean
         self.load_waiting(waiting)
         self._cap_floors()
+        self.vts = {name: t.vt for name, t in self.tenants.items()}
 
     def _cap_floors(self) -> None:
         """A floor never lifts a tenant above the least usage per weight of the other busy tenants
@@ -103,6 +105,7 @@ class Ledger:
             self.waiting.setdefault(key, set()).add(name)
             if name not in self.tenants:
                 self.tenants[name] = Tenant(estimate=self._mean)
+                self.vts[name] = 0.0
 
     def any_waiting(self, keys: Iterable[Key]) -> bool:
         return any(self.waiting.get(k) for k in keys)
@@ -119,11 +122,8 @@ class Ledger:
         tickets, so the rest are not looked at: O(tenants) in C, O(n log n) in Python."""
         waiting = self.waiting.get(keys[0], set()) if len(keys) == 1 else \
             set().union(*(self.waiting.get(k, ()) for k in keys))
-        tenants = self.tenants
-        for name in waiting:
-            if name not in tenants:
-                tenants[name] = Tenant()
-        first = heapq.nsmallest(n, waiting, key=lambda name: (tenants[name].vt, name))
+        tenants = self.tenants  # every waiting tenant is one (load_waiting, leased)
+        first = heapq.nsmallest(n, waiting, key=self.vts.__getitem__)
         idle = self._idle(waiting, probes)
         floor = None
         if idle:  # the least busy virtual time: a waiting tenant's, or a running one's
@@ -180,6 +180,7 @@ class Ledger:
             t.running += count
             if tenant in asked.lifts:
                 t.floor = floors[tenant] = t.usage
+            self.vts[tenant] = t.vt
         reached = max((ticket for _k, _t, ticket in filled), default=-1) if len(filled) >= n else len(asked.names)
         seen = Counter[str]()
         for i, tenant in enumerate(asked.names):
