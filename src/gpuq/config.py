@@ -107,7 +107,7 @@ class Setting:
         return self.used_by or ", ".join(self.flags)
 
 
-_DB_COMMANDS = ("migrate", "serve", "sweep", "enqueue", "status", "jobs", "pause", "resume", "retry", "cancel", "show",
+_DB_COMMANDS = ("migrate", "serve", "sweep", "enqueue", "status", "jobs", "pause", "resume", "retry", "cancel", "preempt", "show",
                 "wait", "schedule", "kind-timeout", "limit", "batch", "tenant")
 
 SETTINGS: tuple[Setting, ...] = (

@@ -59,7 +59,9 @@ def _columns(jobs: Sequence[NewJob], trace: TraceContext | None) -> tuple[list[A
         [j.cost for j in jobs], [j.batch_key for j in jobs])
     # The default tenant is stored as NULL: its jobs have no entry in jobs_tenant_pending_idx.
     tenants = [None if j.tenant == DEFAULT_TENANT else j.tenant for j in jobs]
-    return (*plain, *placed, *batching, tenants if any(tenants) else None, *(trace or (None, None)))
+    preemption = (None,) * 3 if not any(j.preemptible for j in jobs) else (
+        [j.preemptible for j in jobs], [float(j.grace_seconds) for j in jobs], [j.max_preemptions for j in jobs])
+    return (*plain, *placed, *batching, tenants if any(tenants) else None, *(trace or (None, None)), *preemption)
 
 
 async def enqueue_many(db: DB, jobs: Sequence[NewJob], trace: TraceContext | None = None) -> list[int]:
@@ -180,7 +182,7 @@ _BY_SLOT = operator.itemgetter("slot")
 async def read_shapes(db: DB) -> list[Shape]:
     """Every placement class ever enqueued (gpuq.shapes: a few rows)."""
     return [Shape(r["kind"], r["shape"], r["gpus"], r["gpu_memory_mb"], frozenset(r["labels"]), r["model"],
-                  r["keyed"]) for r in await db.fetch(queries["shapes"])]
+                  r["keyed"], r["preemptible"]) for r in await db.fetch(queries["shapes"])]
 
 
 async def lease_placed(db: DB, shape: Shape, slots: Sequence[str], lease_seconds: float) -> list[LeasedJob]:
@@ -379,6 +381,14 @@ async def release_unstarted(db: DB, jobs: Sequence[tuple[int, str]]) -> Moved:
     if not jobs:
         return Moved([], [], set())
     return await _move_and_notify(db, "release_unstarted", [i for i, _ in jobs], [t for _, t in jobs])
+
+
+async def preempted_many(db: DB, jobs: Sequence[tuple[int, str]]) -> Moved:
+    """Jobs ``(id, lease_token)`` that yielded to a preempt: pending again where the token still
+    holds the lease, the attempt not counted, one more preemption counted."""
+    if not jobs:
+        return Moved([], [], set())
+    return await _move_and_notify(db, "preempted_many", [i for i, _ in jobs], [t for _, t in jobs])
 
 
 async def release_jobs(db: DB, ids: Sequence[int], undelivered: bool = False) -> Moved:

@@ -54,6 +54,9 @@ from gpuq.protocol import (
     Failed,
     Hello,
     Jobs,
+    Preempt,
+    Preempted,
+    Release,
     Results,
     Welcome,
     encode,
@@ -84,7 +87,8 @@ class Update:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """What the agent reports for one job: ``done`` with a result, or ``failed`` with an error.
+    """What the agent reports for one job: ``done`` with a result, ``failed`` with an error, or
+    ``preempted`` (it yielded to ``Run.preempt()``: the server puts it back, its attempt not counted).
 
     ``result``: as the server stores it (after a JSON round trip: a tuple comes back a list).
     ``error``: the text stored as the job's ``last_error`` (the traceback's last frames, or
@@ -95,7 +99,7 @@ class Outcome:
     """
 
     job: Job
-    status: str  # "done" or "failed"
+    status: str  # "done", "failed" or "preempted"
     result: Any = None
     error: str | None = None
     retryable: bool = False
@@ -109,6 +113,10 @@ class Outcome:
     @property
     def failed(self) -> bool:
         return self.status == "failed"
+
+    @property
+    def preempted(self) -> bool:
+        return self.status == "preempted"
 
     @property
     def permanent(self) -> bool:
@@ -140,6 +148,13 @@ class Run:
             self._cancelled = True
             self._agent.cancel(self.job.id)
 
+    def preempt(self, grace_seconds: float = 30.0) -> None:
+        """Ask the job to yield as the server does (``gpuq preempt``): ``job.preempted`` turns true;
+        an async handler still running ``grace_seconds`` later is cancelled; a job not started yet
+        goes back at once. Nothing once it ended."""
+        if not self._outcome.done():
+            self._agent.preempt(self.job.id, grace_seconds)
+
     async def progressed(self, count: int = 1) -> Update:
         """Wait for the handler's ``count``-th progress update, and return it; ``AssertionError``
         when the job ends with fewer."""
@@ -164,9 +179,12 @@ class Run:
         self.progress.append(update)
         self._loop.call_soon_threadsafe(self._changed)
 
-    def _finish(self, reported: Done | Failed) -> None:
+    def _finish(self, reported: Done | Failed | Preempted | None) -> None:
+        """Its outcome (None: given back unstarted, after a preempt)."""
         if isinstance(reported, Done):
             status, result, error, retryable = "done", reported.result, None, False
+        elif reported is None or isinstance(reported, Preempted):
+            status, result, error, retryable = "preempted", None, None, True
         else:
             status, result, error, retryable = "failed", None, reported.error, reported.retryable
         self._outcome.set_result(Outcome(self.job, status, result, error, retryable, tuple(self.progress),
@@ -254,6 +272,16 @@ class LocalAgent:
         push's task runs first: the event loop runs callbacks in order)."""
         asyncio.get_running_loop().call_soon(self._cancel, job_id)
 
+    def preempt(self, job_id: int, grace_seconds: float) -> None:
+        """What the agent does on the server's ``preempt``, as the connection's next frame."""
+        asyncio.get_running_loop().call_soon(self._preempt, job_id, grace_seconds)
+
+    def _preempt(self, job_id: int, grace_seconds: float) -> None:
+        preempt = self.protocol.receive(encode(Preempt((job_id,), grace_seconds)))
+        assert isinstance(preempt, Preempt)
+        self._slots.preempt(preempt.ids, preempt.deadline_seconds)
+        self._send()  # a job that had not started went back
+
     def _cancel(self, job_id: int) -> None:
         cancel = self.protocol.receive(encode(Cancel((job_id,))))
         assert isinstance(cancel, Cancel)
@@ -305,6 +333,9 @@ class LocalAgent:
         server refuses a cancelled job's)."""
         for frame in self.protocol.frames_to_send():
             msg = parse_client(frame, self.max_payload)
+            if isinstance(msg, Release):
+                for job_id in msg.ids:
+                    self._runs[job_id]._finish(None)
             outcomes = msg.outcomes if isinstance(msg, Results) else ()
             for outcome in outcomes:
                 self._runs[outcome.id]._finish(outcome)

@@ -204,7 +204,7 @@ def test_a_version_1_agent_gets_no_cancel_message_and_keeps_working():
     assert p.cancel([7]) == [] and sent(p) == []
 
 
-@pytest.mark.parametrize("version", [0, 9, True, "2"])
+@pytest.mark.parametrize("version", [0, 10, True, "2"])
 def test_an_unknown_protocol_version_is_refused_with_4003(version):
     p = ServerProtocol(max_payload=4096, max_messages_per_second=1000, now=0.0)
     p.receive(HELLO.replace('"protocol": 1', f'"protocol": {json.dumps(version)}'), 0.0)

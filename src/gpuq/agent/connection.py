@@ -23,7 +23,7 @@ from gpuq.agent.handlers import Handler
 from gpuq.agent.slots import Slots
 from gpuq.agent.thread_slots import ThreadSlots
 from gpuq.loops import LoopBackoff, Outage, run_every
-from gpuq.protocol import Ack, Cancel, Error, Hello, Jobs, ServerDrain, Welcome
+from gpuq.protocol import Ack, Cancel, Error, Hello, Jobs, Preempt, ServerDrain, Welcome
 from gpuq.protocol.agent_side import AgentProtocol, ThreadSafeAgentProtocol
 from gpuq.signals import stop_on_signal
 
@@ -223,6 +223,8 @@ class Agent:
                 log.warning("agent.results_rejected", agent=self.name, job_ids=list(msg.rejected))
             elif isinstance(msg, Cancel):
                 self._cancel(msg.ids)
+            elif isinstance(msg, Preempt):
+                self._preempt(msg)
             elif isinstance(msg, ServerDrain):
                 log.info("agent.server_draining", agent=self.name, deadline_seconds=msg.deadline_seconds)
             elif isinstance(msg, Error):
@@ -252,6 +254,13 @@ class Agent:
         self._slots.cancel(ids)
         if ids:
             log.info("agent.jobs_cancelled", agent=self.name, job_ids=list(ids))
+
+    def _preempt(self, msg: Preempt) -> None:
+        """The server asked these running jobs to yield (the protocol marked them ``preempted``)."""
+        self._slots.preempt(msg.ids, msg.deadline_seconds)
+        self._ready.set()  # jobs it held ready went back (release)
+        log.info("agent.jobs_preempted", agent=self.name, job_ids=list(msg.ids),
+                 deadline_seconds=msg.deadline_seconds)
 
     def _report_progress(self, job_id: int, item: str) -> None:
         """``job.progress()``, from the loop or a handler's thread: keep it; wake the sender once."""

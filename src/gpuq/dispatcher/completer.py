@@ -4,7 +4,9 @@
 outcome queued by then with one ``complete_many`` and one ``fail_many``, then
 acks each agent. While fair share is on (``charging``) their ``_charged``
 variants also charge each attempt's GPU-seconds to its tenant, in the same
-statement; off, nothing more is written. Jobs given back unstarted (``release_unstarted``) and leases
+statement; off, nothing more is written. Jobs that yielded to a preempt
+(``Preempted``, protocol 9) go back to pending, fenced the same way, in the
+same flush (``preempted_many``). Jobs given back unstarted (``release_unstarted``) and leases
 no agent will run (``release``) go back to pending in the same flush. A batch
 the database refuses (a value jsonb cannot take) is written one by one, so one
 bad outcome cannot block the others.
@@ -24,7 +26,7 @@ from gpuq.dispatcher.spans import ServerSpans
 from gpuq.dispatcher.writer import Writer
 from gpuq.jobs import FailOutcome, JobBackoff
 from gpuq.latency import JobLatency
-from gpuq.protocol import Done, Failed
+from gpuq.protocol import Done, Failed, Outcome, Preempted
 
 log = logs.get("completer")
 
@@ -61,17 +63,20 @@ class Completer(Writer):
         # Outcomes waiting for the database (add them with submit(), release()).
         self.done: list[tuple[Session, Done, str]] = []
         self.failed: list[tuple[Session, Failed, str]] = []
+        self.preempted: list[tuple[Session, Preempted, str]] = []
         self.orphans: list[int] = []  # leased for an agent that left before the push
         self.unstarted: list[tuple[Session, tuple[tuple[int, str], ...]]] = []  # given back, (id, token)
         self._lock = anyio.Lock()
 
-    def submit(self, session: Session, outcomes: Iterable[tuple[Done | Failed, str]]) -> None:
+    def submit(self, session: Session, outcomes: Iterable[tuple[Outcome, str]]) -> None:
         """Queue ``(outcome, kind)`` pairs reported by ``session``; acked after the commit."""
         for msg, kind in outcomes:
             if isinstance(msg, Done):
                 self.done.append((session, msg, kind))
-            else:
+            elif isinstance(msg, Failed):
                 self.failed.append((session, msg, kind))
+            else:
+                self.preempted.append((session, msg, kind))
         self.wake()
 
     def release(self, ids: Iterable[int]) -> None:
@@ -90,7 +95,7 @@ class Completer(Writer):
 
     async def flush(self) -> None:
         async with self._lock:
-            while self.done or self.failed or self.orphans or self.unstarted:
+            while self.done or self.failed or self.orphans or self.unstarted or self.preempted:
                 try:
                     await self._flush_once()
                 except asyncpg.DataError as exc:
@@ -102,10 +107,11 @@ class Completer(Writer):
 
     def _drop_releases(self, exc: BaseException) -> None:
         """Releases the database refuses are given up (their leases expire instead), not retried forever."""
-        ids = [*self.orphans, *(i for _, jobs in self.unstarted for i, _ in jobs)]
+        ids = [*self.orphans, *(i for _, jobs in self.unstarted for i, _ in jobs), *(m.id for _, m, _ in self.preempted)]
         log.error("jobs.release_refused", job_ids=ids, error=str(exc))
         self.orphans.clear()
         self.unstarted.clear()
+        self.preempted.clear()
 
     async def _flush_singly(self) -> None:
         done, failed = self.done[:1000], self.failed[:1000]
@@ -131,6 +137,9 @@ class Completer(Writer):
         if given := self.unstarted[:100]:  # its own commit: done and failed are retried without it
             await self._release_unstarted(given)
             del self.unstarted[:len(given)]
+        if yielded := self.preempted[:1000]:  # its own commit too
+            await self._write_preempted(yielded)
+            del self.preempted[:len(yielded)]
         done, failed, orphans = self.done[:1000], self.failed[:1000], self.orphans[:1000]
         started = self.spans.write_started() if self.spans is not None else 0
         accepted: set[int] = set()
@@ -173,6 +182,21 @@ class Completer(Writer):
         for session, (ok_ids, bad_ids) in acks.items():
             session.send_ack(tuple(ok_ids), tuple(bad_ids))
         self._log(done, failed, accepted, outcomes)
+
+    async def _write_preempted(self, yielded: list[tuple[Session, Preempted, str]]) -> None:
+        """Jobs that yielded: pending again where their token holds, each agent acked."""
+        moved = await queue.preempted_many(self.pool, [(m.id, m.lease_token) for _, m, _ in yielded])
+        back = set(moved.pending)
+        acks: dict[Session, tuple[list[int], list[int]]] = {}
+        for session, m, _kind in yielded:
+            acks.setdefault(session, ([], []))[0 if m.id in back else 1].append(m.id)
+        for session, (ok_ids, bad_ids) in acks.items():
+            if ok_ids:
+                log.info("job.preempted", agent=session.id, job_ids=ok_ids, count=len(ok_ids))
+            if bad_ids:
+                log.warning("job.rejected", agent=session.id, job_ids=bad_ids, reason="stale lease token")
+                metrics.RESULTS_REJECTED.inc(len(bad_ids))
+            session.send_ack(tuple(ok_ids), tuple(bad_ids))
 
     async def _release_unstarted(self, given: list[tuple[Session, tuple[tuple[int, str], ...]]]) -> None:
         moved = await queue.release_unstarted(self.pool, [job for _, jobs in given for job in jobs])

@@ -33,7 +33,7 @@ from gpuq.dispatcher.tuning import TUNING_DEFAULT, Tuning
 from gpuq.jobs import JobBackoff, LeasedJob
 from gpuq.latency import JobLatency
 from gpuq.loops import Outage, run_every
-from gpuq.protocol import Done, Failed, ProgressUpdate
+from gpuq.protocol import Outcome, ProgressUpdate
 
 log = logs.get("dispatcher")
 
@@ -51,7 +51,8 @@ class Dispatcher:
                                    charging=lambda: self.fair_share.on)
         self.progress = ProgressWriter(pool, tuning.progress_write_seconds)
         self.heartbeats = Heartbeats(pool, config.lease_seconds, on_lost=self.sessions.cancel_on)
-        self.trigger = LeaseTrigger(pool, config, tuning, on_kind=self._announced, on_cancel=self.sessions.cancel_running)
+        self.trigger = LeaseTrigger(pool, config, tuning, on_kind=self._announced, on_cancel=self.sessions.cancel_running,
+                                    on_preempt=self.sessions.preempt_running)
         self.groups = GroupLeases(pool, config, tuning, lambda: self.trigger.listen_pid, self.trigger.recheck)
         self.trigger.on_listen = lambda: self.groups.listen_connected(self.trigger.listen_pid or 0)
         self.roster = Roster(pool, tuning, self.sessions)  # this server's agents, for the other servers
@@ -105,7 +106,7 @@ class Dispatcher:
         self.spans.forget(session.inflight)
         session.inflight.clear()
 
-    def submit(self, session: AgentSession, outcomes: Iterable[tuple[Done | Failed, str]], freed: int) -> None:
+    def submit(self, session: AgentSession, outcomes: Iterable[tuple[Outcome, str]], freed: int) -> None:
         """Queue reported outcomes ``(message, kind)`` for the database; ``freed`` credits came back.
 
         The session's protocol has already matched them to the jobs it holds;

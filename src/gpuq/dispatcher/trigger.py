@@ -44,10 +44,12 @@ class Pass:
 
 class LeaseTrigger:
     def __init__(self, pool: Any, config: ServerConfig, tuning: Tuning,
-                 on_kind: Callable[[str, int | None], None], on_cancel: Callable[[list[int]], None]):
+                 on_kind: Callable[[str, int | None], None], on_cancel: Callable[[list[int]], None],
+                 on_preempt: Callable[[list[int], float], None] | None = None):
         self.pool, self.config, self.tuning = pool, config, tuning
         self._on_kind = on_kind  # a kind was announced, with its top priority (None: jobs moved back)
         self._on_cancel = on_cancel  # leased jobs were cancelled
+        self._on_preempt = on_preempt  # leased jobs were asked to yield (ids, grace seconds)
         self._wake = anyio.Event()
         self._next = Pass(every=True)  # reasons gathered for the next pass; the first looks at everything
         self.busy = False  # passes keep finding work: poll every busy_poll_seconds, let the mark lapse
@@ -204,6 +206,11 @@ class LeaseTrigger:
         metrics.NOTIFICATIONS.inc()
         if payload.startswith(wakeups.CANCEL_PREFIX):
             self._on_cancel(wakeups.parse_cancel(payload))
+            return
+        if payload.startswith(wakeups.PREEMPT_PREFIX):
+            if self._on_preempt is not None:
+                grace, ids = wakeups.parse_preempt(payload)
+                self._on_preempt(ids, grace)
             return
         wakeup = wakeups.parse_wakeup(payload)
         if wakeup.every:

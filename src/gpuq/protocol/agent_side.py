@@ -38,6 +38,10 @@ I/O layer (``gpuq.agent``) feeds frames to ``receive()`` and sends what
   *unit*: a job or a ``Batch``. A cancelled item of a ready batch ends at once
   and the batch goes on without it; one of a running batch is only marked
   (the slot reports it ``cancelled`` when the batch handler returns).
+- preemption (version 9): a ``preempt`` marks the named running jobs
+  ``preempted``, with their deadline (the I/O layer stops their handlers
+  then); a named job that waits ready never starts here: it is given back
+  (``release``). ``job_preempted`` reports a job that yielded.
 - ``ThreadSafeAgentProtocol``: the same, every method that changes state
   under one lock, for an agent whose sync handlers' slots run in worker
   threads and call ``job_started``, ``job_done``/``job_failed`` and
@@ -69,11 +73,14 @@ from gpuq.protocol.messages import (
     Hello,
     JobMessage,
     Jobs,
+    Preempt,
+    Preempted,
     Release,
     ServerMessage,
     Update,
     Welcome,
     mark_cancelled,
+    mark_preempted,
 )
 from gpuq.protocol.parse import parse_client, parse_server
 from gpuq.protocol.slots import SlotClock
@@ -174,7 +181,18 @@ class AgentProtocol:
                 mark_cancelled(job)
             waiting = self._end_waiting({job.id for job in running}) if running else set()
             return Cancel(tuple(job.id for job in running if job.id not in waiting))
+        elif isinstance(msg, Preempt):
+            return self._preempt(msg)
         return msg
+
+    def _preempt(self, msg: Preempt) -> Preempt:
+        """Mark the named running jobs preempted, give back those that wait ready; the running ones."""
+        named = set(msg.ids)
+        self._give_back([unit for unit in self.waiting if named.intersection(job_ids(unit))])
+        deadline, running = self.clock() + msg.deadline_seconds, [self.running[i] for i in msg.ids if i in self.running]
+        for job in running:
+            mark_preempted(job, deadline)
+        return Preempt(tuple(job.id for job in running), msg.deadline_seconds)
 
     def _end_waiting(self, cancelled: set[int]) -> set[int]:
         """Cancelled jobs that never started end here, before they start (a ready batch goes on
@@ -222,7 +240,7 @@ class AgentProtocol:
         if self.ready_gpu:
             now.extend(self._devices_freed())
         if self.draining:
-            self._release_ready()
+            self._give_back(self.waiting)
         return now
 
     def job_started(self, job: Unit) -> None:
@@ -282,31 +300,20 @@ class AgentProtocol:
     # -- outcomes ------------------------------------------------------------
 
     def job_done(self, job: JobMessage, result: Any) -> None:
-        self._finish(job, self._done(job, result))  # encoded before the lock: a result can be large
+        self._finish(job, encode_outcome(job, result, self.max_frame))  # encoded before the lock: a result can be large
 
     def job_failed(self, job: JobMessage, error: str, retryable: bool) -> None:
         self._finish(job, encode(Failed(job.id, job.lease_token, error, retryable)))
+
+    def job_preempted(self, job: JobMessage) -> None:
+        """The job yielded to a ``preempt`` (version 9): back to pending, its attempt not counted."""
+        self._finish(job, encode(Preempted(job.id, job.lease_token)))
 
     def _finish(self, job: JobMessage, item: str) -> None:
         self.running.pop(job.id, None)
         self._progress.pop(job.id, None)  # the outcome says more
         self.unacked[job.id] = item
         self._outcomes.append(item)
-
-    def _done(self, job: JobMessage, result: Any) -> str:
-        """The encoded ``done``, or a permanent ``failed`` for a result the server could not take."""
-        limit = self.max_frame - RESULTS_OVERHEAD
-        try:
-            item = encode_done(job.id, job.lease_token, result)
-        except (TypeError, ValueError) as exc:
-            return encode(Failed(job.id, job.lease_token, f"result is not JSON-serializable: {exc}", False))
-        if len(item) > limit:
-            return encode(Failed(job.id, job.lease_token, f"result of {len(item)} bytes is over the server's "
-                                 f"limit of {limit} bytes", False))
-        if "\\u0000" in item and contains_nul(result):
-            return encode(Failed(job.id, job.lease_token, "result contains the character U+0000, which "
-                                 "PostgreSQL cannot store in jsonb", False))
-        return item
 
     # -- progress ------------------------------------------------------------
 
@@ -357,19 +364,21 @@ class AgentProtocol:
         self.draining = True
         if self.state is State.OPEN:
             self._control.append(encode(Drain()))
-            self._release_ready()
+            self._give_back(self.waiting)
 
-    def _release_ready(self) -> None:
-        """Give the ready jobs back: they will not start here."""
-        if (waiting := self.waiting) and self.state is State.OPEN and self._speaks_started:
-            ids = tuple(job_id for unit in waiting for job_id in job_ids(unit))
-            self._control.append(encode(Release(ids)))
-            for job_id in ids:
-                self.running.pop(job_id, None)
-            for unit in waiting:
-                self._forget(unit)
-            self.ready.clear()
-            self.ready_gpu = []
+    def _give_back(self, units: list[Unit]) -> None:
+        """Release these ready units (``release``): they will not start here."""
+        if not units or self.state is not State.OPEN or not self._speaks_started:
+            return
+        ids = tuple(job_id for unit in units for job_id in job_ids(unit))
+        self._control.append(encode(Release(ids)))
+        for job_id in ids:
+            self.running.pop(job_id, None)
+        for unit in units:
+            self._forget(unit)
+        gone = {id(unit) for unit in units}
+        self.ready = deque(unit for unit in self.ready if id(unit) not in gone)
+        self.ready_gpu = [unit for unit in self.ready_gpu if id(unit) not in gone]
 
     def frames_to_send(self) -> list[str]:
         if self.state is not State.OPEN:
@@ -378,6 +387,22 @@ class AgentProtocol:
         out = self._control + pack_results(self._outcomes, self.max_frame, tuple(self._started))
         self._control, self._outcomes, self._started = [], [], []
         return out
+
+
+def encode_outcome(job: JobMessage, result: Any, max_frame: int) -> str:
+    """The encoded ``done``, or a permanent ``failed`` for a result the server could not take."""
+    limit = max_frame - RESULTS_OVERHEAD
+    try:
+        item = encode_done(job.id, job.lease_token, result)
+    except (TypeError, ValueError) as exc:
+        return encode(Failed(job.id, job.lease_token, f"result is not JSON-serializable: {exc}", False))
+    if len(item) > limit:
+        return encode(Failed(job.id, job.lease_token, f"result of {len(item)} bytes is over the server's "
+                             f"limit of {limit} bytes", False))
+    if "\\u0000" in item and contains_nul(result):
+        return encode(Failed(job.id, job.lease_token, "result contains the character U+0000, which "
+                             "PostgreSQL cannot store in jsonb", False))
+    return item
 
 
 # Every method that changes state: the I/O layer calls them from its event loop, a sync slot from its thread.

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from enum import IntEnum, StrEnum
 
-__all__ = ["BATCH_SINCE", "MAX_TRACESTATE", "TRACE_SINCE", "CANCEL_SINCE", "MAX_BATCH_ITEMS", "MAX_CAPACITY", "MAX_CANCEL_IDS", "MAX_ERROR_TEXT", "MAX_HEARTBEAT_IDS", "MAX_JOB_ID",
+__all__ = ["BATCH_SINCE", "MAX_PREEMPT_SECONDS", "PREEMPT_SINCE", "MAX_TRACESTATE", "TRACE_SINCE", "CANCEL_SINCE", "MAX_BATCH_ITEMS", "MAX_CAPACITY", "MAX_CANCEL_IDS", "MAX_ERROR_TEXT", "MAX_HEARTBEAT_IDS", "MAX_JOB_ID",
            "MAX_KINDS", "MAX_PROGRESS_DATA", "MAX_PROGRESS_MESSAGE", "MAX_RESULTS", "PLACEMENT_SINCE", "PREFETCH_SINCE", "MAX_PREFETCH", "PROGRESS_SINCE",
            "PROTOCOL_VERSION", "SLOTS_SINCE", "SUPPORTED_VERSIONS", "CloseCode", "ErrorCode", "ProtocolError"]
 
-PROTOCOL_VERSION = 8  # what this side speaks
-SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)  # what a server accepts in a hello; it answers in the agent's version
+PROTOCOL_VERSION = 9  # what this side speaks
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)  # what a server accepts in a hello; it answers in the agent's version
 CANCEL_SINCE = 2  # the first version with the server's ``cancel`` message
 PROGRESS_SINCE = 3  # the first version with the agent's ``progress`` message
 PLACEMENT_SINCE = 4  # devices, labels and models in ``hello``; ``update``; device usage in heartbeats
@@ -23,6 +23,10 @@ MAX_BATCH_ITEMS = 4096
 # ``traceparent`` and ``tracestate`` in pushed jobs: the producer's trace (W3C), when the job has one
 TRACE_SINCE = 8
 MAX_TRACESTATE = 512  # characters (W3C's limit; the jobs table's CHECK)
+# ``preempt`` (server -> agent: yield these jobs by a deadline) and ``preempted`` outcomes (agent -> server);
+# only an agent of this version is given preemptible jobs
+PREEMPT_SINCE = 9
+MAX_PREEMPT_SECONDS = 86400.0  # the longest deadline a ``preempt`` may give
 
 MAX_KINDS = 64
 MAX_CAPACITY = 4096

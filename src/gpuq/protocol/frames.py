@@ -45,8 +45,12 @@ def encode(msg: m.ServerMessage | m.ClientMessage) -> str:
                 "heartbeat_seconds": msg.heartbeat_seconds, "max_payload": msg.max_payload}
     elif isinstance(msg, m.ServerDrain):
         body = {"type": "drain", "deadline_seconds": msg.deadline_seconds}
+    elif isinstance(msg, m.Preempted):
+        body = {"type": "preempted", "id": msg.id, "lease_token": msg.lease_token}
     elif isinstance(msg, m.Cancel):
         body = {"type": "cancel", "ids": list(msg.ids)}
+    elif isinstance(msg, m.Preempt):
+        body = {"type": "preempt", "ids": list(msg.ids), "deadline_seconds": msg.deadline_seconds}
     elif isinstance(msg, m.Error):
         body = {"type": "error", "code": msg.code, "message": msg.message}
     elif isinstance(msg, m.Hello):

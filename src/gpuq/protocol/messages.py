@@ -19,8 +19,9 @@ from gpuq.protocol.fields import progress_item
 from gpuq.protocol.slots import SlotReport
 
 __all__ = ["Ack", "Cancel", "ClientMessage", "Done", "Drain", "Error", "Failed", "Heartbeat", "Hello", "JobMessage",
-           "Jobs", "Progress", "ProgressUpdate", "Release", "Results", "ServerDrain", "ServerMessage", "Started",
-           "Update", "Welcome", "attach_reporter", "mark_cancelled"]
+           "Jobs", "Outcome", "Preempt", "Preempted", "Progress", "ProgressUpdate", "Release", "Results", "ServerDrain",
+           "ServerMessage", "Started", "Update", "Welcome", "attach_reporter", "mark_cancelled", "mark_preempted",
+           "on_preempt"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,10 +72,19 @@ class Failed(_LeasedJob):
 
 
 @dataclass(frozen=True, slots=True)
+class Preempted(_LeasedJob):
+    """Protocol 9: the job stopped because the server asked it to yield (``Preempt``): it goes back to
+    pending, its attempt not counted."""
+
+
+Outcome = Done | Failed | Preempted
+
+
+@dataclass(frozen=True, slots=True)
 class Results:
     """Many outcomes in one frame: how the agent library reports (one frame, one parse)."""
 
-    outcomes: tuple[Done | Failed, ...]
+    outcomes: tuple[Outcome, ...]
     started: tuple[int, ...] = ()  # protocol 5: as ``Started``, in the same frame
 
 
@@ -127,7 +137,7 @@ class Progress:
     updates: tuple[ProgressUpdate, ...]
 
 
-ClientMessage = Hello | Done | Failed | Results | Heartbeat | Drain | Progress | Update | Started | Release
+ClientMessage = Hello | Done | Failed | Preempted | Results | Heartbeat | Drain | Progress | Update | Started | Release
 
 
 # --------------------------------------------------------------------------
@@ -150,7 +160,10 @@ class JobMessage:
 
     ``cancelled`` turns true when the server cancels the job (``gpuq cancel``):
     a sync handler checks it and returns early; an async one is cancelled.
-    ``progress()`` reports how far it has got.
+    ``preempted`` turns true when the server asks a preemptible job to yield
+    (protocol 9): the handler may checkpoint and stop (raise, or return early
+    with ``gpuq.agent.Preempted``) before ``preempt_deadline`` (``time.monotonic()``),
+    when the agent stops it. ``progress()`` reports how far it has got.
     """
 
     id: int
@@ -166,6 +179,10 @@ class JobMessage:
     # handler's span continues it.
     trace: tuple[str, str | None] | None = None
     cancelled: bool = field(default=False, compare=False)
+    preempted: bool = field(default=False, compare=False)  # protocol 9: asked to yield (checkpoint, stop)
+    preempt_deadline: float | None = field(default=None, compare=False)  # time.monotonic() it is stopped at
+    # Called once when it is asked to yield (``on_preempt``: ``run_process`` sends its child SIGTERM).
+    on_preempted: list[Callable[[], None]] | None = field(default=None, compare=False, repr=False)
     # Where progress() sends an encoded update (the agent sets it); None: nowhere.
     reporter: Callable[[int, str], None] | None = field(default=None, compare=False, repr=False)
 
@@ -182,6 +199,27 @@ class JobMessage:
 def mark_cancelled(job: JobMessage) -> None:
     """Set ``job.cancelled``: the one field of a pushed job that changes (server cancel, or its timeout)."""
     object.__setattr__(job, "cancelled", True)
+
+
+def mark_preempted(job: JobMessage, deadline: float) -> None:
+    """Set ``job.preempted`` and its deadline (the agent's clock), and call what waits for it."""
+    if job.preempted:
+        return
+    object.__setattr__(job, "preempt_deadline", deadline)
+    object.__setattr__(job, "preempted", True)
+    for callback in job.on_preempted or ():
+        callback()
+
+
+def on_preempt(job: JobMessage, callback: Callable[[], None]) -> None:
+    """Call ``callback`` when the job is asked to yield (at once if it was)."""
+    if job.preempted:
+        callback()
+        return
+    if job.on_preempted is None:
+        object.__setattr__(job, "on_preempted", [])
+    assert job.on_preempted is not None
+    job.on_preempted.append(callback)
 
 
 def attach_reporter(job: JobMessage, reporter: Callable[[int, str], None]) -> None:
@@ -222,4 +260,13 @@ class Cancel(_JobIds):
     __slots__ = ()
 
 
-ServerMessage = Welcome | Jobs | Ack | ServerDrain | Error | Cancel
+@dataclass(frozen=True, slots=True)
+class Preempt:
+    """From the server (protocol 9): yield these running jobs of yours; the agent stops those still
+    running ``deadline_seconds`` from now and reports them ``preempted``."""
+
+    ids: tuple[int, ...]
+    deadline_seconds: float
+
+
+ServerMessage = Welcome | Jobs | Ack | ServerDrain | Error | Cancel | Preempt

@@ -37,6 +37,10 @@ every rule of the connection lives here:
   ``cancel``) is per item, as for any job.
 - version 8: a pushed job carries its producer's trace (``traceparent``, and
   ``tracestate`` if any) when it has one; never before version 8.
+- version 9: ``preempt`` asks the agent to yield held jobs by a deadline
+  (never sent to an earlier connection, which is never given preemptible
+  jobs); a ``preempted`` outcome settles a job like any outcome (its credit
+  is free), and is refused (``unexpected``) on an earlier connection.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from gpuq.protocol.batches import group
 from gpuq.protocol.codes import (
     CANCEL_SINCE,
     PLACEMENT_SINCE,
+    PREEMPT_SINCE,
     PREFETCH_SINCE,
     PROGRESS_SINCE,
     SLOTS_SINCE,
@@ -70,6 +75,9 @@ from gpuq.protocol.messages import (
     Failed,
     Heartbeat,
     Hello,
+    Outcome,
+    Preempt,
+    Preempted,
     Progress,
     ProgressUpdate,
     Release,
@@ -105,7 +113,7 @@ class HelloReceived:
 class OutcomesReceived:
     """Outcomes to persist, each with its job's kind ('?' when not held here); ``freed`` credits."""
 
-    outcomes: list[tuple[Done | Failed, str]]
+    outcomes: list[tuple[Outcome, str]]
     freed: int
 
 
@@ -234,7 +242,7 @@ class ServerProtocol:
         return [HelloReceived(msg)]
 
     def _message(self, msg: ClientMessage) -> list[Event]:
-        if isinstance(msg, Done | Failed):
+        if isinstance(msg, Done | Failed | Preempted):
             return [self._outcomes((msg,))]
         if isinstance(msg, Results):
             if msg.started:
@@ -269,7 +277,9 @@ class ServerProtocol:
             return self._progress(msg.updates)
         raise ProtocolError(ErrorCode.UNEXPECTED, "hello was already received on this connection")
 
-    def _outcomes(self, outcomes: tuple[Done | Failed, ...]) -> OutcomesReceived:
+    def _outcomes(self, outcomes: tuple[Outcome, ...]) -> OutcomesReceived:
+        if self.version < PREEMPT_SINCE and any(isinstance(o, Preempted) for o in outcomes):
+            self._needs(PREEMPT_SINCE, "preempted")
         return OutcomesReceived(*self.ledger.settle(outcomes))
 
     def _started(self, ids: tuple[int, ...]) -> None:
@@ -375,6 +385,17 @@ class ServerProtocol:
         held = [i for i in ids if i in mine]
         if held and self.version >= CANCEL_SINCE and self.state is State.OPEN:
             self._out.append(encode(Cancel(tuple(held))))
+            return held
+        return []
+
+    def preempt(self, ids: Iterable[int], deadline_seconds: float) -> list[int]:
+        """Ask the agent to yield these jobs by ``deadline_seconds`` from now: those this connection
+        holds, if its version has ``preempt`` (an earlier one is never given preemptible jobs). They
+        stay held, and keep their credit, until the agent reports them."""
+        mine = self.ledger.held
+        held = [i for i in ids if i in mine]
+        if held and self.version >= PREEMPT_SINCE and self.state is State.OPEN:
+            self._out.append(encode(Preempt(tuple(held), deadline_seconds)))
             return held
         return []
 

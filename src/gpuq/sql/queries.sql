@@ -14,46 +14,52 @@
 -- * Locked rows are updated by ctid: no primary-key descent per row.
 
 -- name: enqueue_plain
--- Insert jobs from parallel arrays, in input order (placement arrays $9-$13 NULL: none; batching arrays $14-$15 NULL: none; tenants $16 NULL: the default), every one with the producer's trace $17, $18 (NULL: none); returns their ids in that order.
+-- Insert jobs from parallel arrays, in input order (placement arrays $9-$13 NULL: none; batching arrays $14-$15 NULL: none; tenants $16 NULL: the default; preemption arrays $19-$21 NULL: none preemptible), every one with the producer's trace $17, $18 (NULL: none); returns their ids in that order.
 INSERT INTO gpuq.jobs (kind, payload, priority, max_attempts, run_at, status, timeout_seconds,
                        gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant,
-                       traceparent, tracestate)
+                       traceparent, tracestate, preemptible, grace_seconds, max_preemptions)
 SELECT kind, payload, priority, max_attempts, run_at,
        CASE WHEN run_at > now() THEN 'scheduled'::gpuq.job_status ELSE 'pending' END, timeout_seconds,
        coalesce(gpus, 0), gpu_memory_mb, coalesce(string_to_array(labels, ','), '{}'), model, concurrency_key,
-       cost, batch_key, tenant, $17::text, $18::text
+       cost, batch_key, tenant, $17::text, $18::text,
+       coalesce(preemptible, false), coalesce(grace_seconds, 30), coalesce(max_preemptions, 10)
 FROM (
     SELECT kind, coalesce(payload::jsonb, '{}'::jsonb) AS payload, priority, max_attempts,
            coalesce(run_at, now() + make_interval(secs => delay)) AS run_at, timeout_seconds,
-           gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant, ord
+           gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant,
+           preemptible, grace_seconds, max_preemptions, ord
     FROM unnest($1::text[], $2::text[], $3::smallint[], $4::int[], $5::timestamptz[],
                 $6::float8[], $7::text[], $8::int[], $9::smallint[], $10::int[], $11::text[], $12::text[],
-                $13::text[], $14::bigint[], $15::text[], $16::text[])
+                $13::text[], $14::bigint[], $15::text[], $16::text[], $19::bool[], $20::float8[], $21::int[])
         WITH ORDINALITY AS t(kind, payload, priority, max_attempts, run_at, delay, dedup_key, timeout_seconds,
-                             gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant, ord)
+                             gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant,
+                             preemptible, grace_seconds, max_preemptions, ord)
 ) AS input
 ORDER BY ord
 RETURNING id;
 
 -- name: enqueue_dedup
--- Insert jobs with distinct dedup keys (arrays as enqueue_plain's), with the producer's trace $17, $18 (NULL: none); a key with a live job gets that job's id (NULL if it committed after our snapshot).
+-- Insert jobs with distinct dedup keys (arrays as enqueue_plain's, preemption $19-$21), with the producer's trace $17, $18 (NULL: none); a key with a live job gets that job's id (NULL if it committed after our snapshot).
 WITH input AS (
     SELECT kind, coalesce(payload::jsonb, '{}'::jsonb) AS payload, priority, max_attempts,
            coalesce(run_at, now() + make_interval(secs => delay)) AS run_at, dedup_key, timeout_seconds,
-           gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant, ord
+           gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant,
+           preemptible, grace_seconds, max_preemptions, ord
     FROM unnest($1::text[], $2::text[], $3::smallint[], $4::int[], $5::timestamptz[],
                 $6::float8[], $7::text[], $8::int[], $9::smallint[], $10::int[], $11::text[], $12::text[],
-                $13::text[], $14::bigint[], $15::text[], $16::text[])
+                $13::text[], $14::bigint[], $15::text[], $16::text[], $19::bool[], $20::float8[], $21::int[])
         WITH ORDINALITY AS t(kind, payload, priority, max_attempts, run_at, delay, dedup_key, timeout_seconds,
-                             gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant, ord)
+                             gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant,
+                             preemptible, grace_seconds, max_preemptions, ord)
 ), ins AS (
     INSERT INTO gpuq.jobs (kind, payload, priority, max_attempts, run_at, status, dedup_key, timeout_seconds,
                            gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant,
-                           traceparent, tracestate)
+                           traceparent, tracestate, preemptible, grace_seconds, max_preemptions)
     SELECT kind, payload, priority, max_attempts, run_at,
            CASE WHEN run_at > now() THEN 'scheduled'::gpuq.job_status ELSE 'pending' END, dedup_key,
            timeout_seconds, coalesce(gpus, 0), gpu_memory_mb, coalesce(string_to_array(labels, ','), '{}'),
-           model, concurrency_key, cost, batch_key, tenant, $17::text, $18::text
+           model, concurrency_key, cost, batch_key, tenant, $17::text, $18::text,
+           coalesce(preemptible, false), coalesce(grace_seconds, 30), coalesce(max_preemptions, 10)
     FROM input ORDER BY ord
     ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL AND status IN ('pending', 'leased', 'scheduled')
     DO NOTHING
@@ -311,7 +317,7 @@ FROM gpuq.limits l ORDER BY l.scope, l.name;
 
 -- name: shapes
 -- Every placement shape enqueued so far, with what its jobs need (a handful of rows).
-SELECT kind, shape, gpus, gpu_memory_mb, labels, model, keyed FROM gpuq.shapes;
+SELECT kind, shape, gpus, gpu_memory_mb, labels, model, keyed, preemptible FROM gpuq.shapes;
 
 -- name: batch_head
 -- The next $2 pending plain jobs of kind $1 (not paused, no limit) in lease order (jobs_pending_idx), with what batches form by: cost, batch_key, the timeout an attempt will have, and the milliseconds each has been due. Reads, locks nothing.
@@ -545,6 +551,30 @@ FROM (SELECT id FROM gpuq.jobs WHERE status::text = 'leased' AND id = ANY($1::bi
 WHERE j.id = picked.id AND given.id = j.id AND j.lease_token = given.token
 RETURNING j.id, j.kind, j.status;
 
+-- name: preempted_many
+-- Jobs that yielded to a preempt: ids $1 still leased with tokens $2 go back to pending (their place in the queue kept), the attempt not counted, one more preemption counted; while fair share is on (gpuq.tenants has a row) the attempt's GPU-seconds are charged.
+WITH moved AS (
+    UPDATE gpuq.jobs j
+    SET status = 'pending', attempts = j.attempts - 1, preemptions = j.preemptions + 1, preempt_at = NULL,
+        lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
+    FROM (SELECT id FROM gpuq.jobs WHERE status::text = 'leased' AND id = ANY($1::bigint[]) FOR UPDATE) AS picked,
+         unnest($1::bigint[], $2::uuid[]) AS given(id, token)
+    WHERE j.id = picked.id AND given.id = j.id AND j.lease_token = given.token
+    RETURNING j.id, j.kind, j.status, j.tenant, gpuq.gpu_seconds(j.started_at, now(), j.gpus, j.batch_size) AS charge
+), charged AS (
+    INSERT INTO gpuq.tenant_usage AS u (tenant, usage, usage_at)
+    SELECT coalesce(tenant, 'default'), sum(charge), now() FROM moved
+    WHERE EXISTS (SELECT 1 FROM gpuq.tenants) GROUP BY 1 ORDER BY 1
+    ON CONFLICT (tenant) DO UPDATE
+    SET usage = gpuq.decayed(u.usage, u.usage_at, (SELECT gpuq.half_life())) + excluded.usage,
+        usage_at = greatest(u.usage_at, excluded.usage_at)
+)
+SELECT id, kind, status FROM moved;
+
+-- name: preempt
+-- Ask the running preemptible jobs among ids $1 to yield (gpuq.preempt: those with preemptions left, not asked within their grace time): each id asked and its grace time.
+SELECT id, grace_seconds FROM gpuq.preempt($1::bigint[]);
+
 -- name: release_jobs
 -- Give up the leases on ids $1 (shutdown, undeliverable jobs): back to pending, or dead with error $2; $3: they never reached an agent, so the attempt does not count.
 UPDATE gpuq.jobs j
@@ -658,7 +688,8 @@ SELECT id, kind, status::text AS status, priority, attempts, max_attempts, paylo
        result::text AS result, last_error, leased_by, lease_expires_at, run_at, created_at, started_at,
        finished_at, dedup_key, timeout_seconds, deadline_at, progress::text AS progress,
        gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, batch_id, batch_size,
-       traceparent, tracestate, coalesce(tenant, 'default') AS tenant
+       traceparent, tracestate, coalesce(tenant, 'default') AS tenant,
+       preemptible, grace_seconds, max_preemptions, preemptions, preempt_at
 FROM gpuq.jobs WHERE id = $1;
 
 -- name: job_attempts
