@@ -198,6 +198,10 @@ SETTINGS: tuple[Setting, ...] = (
             "on SIGTERM, an agent stops taking jobs and exits once its running jobs are reported, or "
             "after this long whatever is left (logged; the server gives running jobs back)",
             {AGENT: "--drain-seconds"}, shown="none: waits for every report"),
+    Setting("interruption_notice", "GPUQ_INTERRUPTION_NOTICE", None, parse_duration,
+            "on SIGTERM, a spot interruption with this much notice: jobs held ready go back at once, running "
+            "preemptible jobs yield within the notice less a margin (their attempt not counted), and the agent "
+            "exits by the notice", {AGENT: "--interruption-notice"}, shown="none: a stop (--drain-seconds)"),
     Setting("capacity", "GPUQ_CAPACITY", 1, parse_int, "jobs run at once", {AGENT: "--capacity"}),
     Setting("prefetch", "GPUQ_PREFETCH", 1, parse_int,
             "jobs held ready beyond capacity (and one per busy GPU), so a freed slot starts the next at once (0: none)",

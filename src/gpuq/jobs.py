@@ -197,6 +197,7 @@ class LeasedJob:
     batch: int | None = None  # batched jobs: the batch's number (its jobs go in one handler call)
     # The producer's trace (None: none), pushed to agents of protocol 8 (docs/design.md, "Tracing").
     trace: TraceContext | None = None
+    grace_seconds: float | None = None  # a preemptible job's time to yield (pushed to agents of protocol 9)
 
     @property
     def payload(self) -> Any:

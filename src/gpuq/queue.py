@@ -202,7 +202,8 @@ def _placed(shape: Shape, r: Any, batch: int | None = None) -> LeasedJob:
     return LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
                      r["leased_by"], r["payload_json"], r["timeout_seconds"], shape.gpus, shape.gpu_memory_mb,
                      r["queued_ms"], shape.model, batch,
-                     trace=None if (tp := r["traceparent"]) is None else (tp, r["tracestate"]))
+                     trace=None if (tp := r["traceparent"]) is None else (tp, r["tracestate"]),
+                     grace_seconds=r["grace_seconds"] if shape.preemptible else None)
 
 
 # A limited lease reads at most this many of a keyed shape's next jobs looking

@@ -49,6 +49,7 @@ async def test_the_server_asks_a_version_9_agent_fences_its_report_and_stops_at_
         ws, _ = await raw_agent(srv, ("train",), **HELLO_9)
         job_id = await gpuq.enqueue(pool, "train", {}, preemptible=True, grace_seconds=2.5, max_preemptions=1)
         [pushed] = (await next_of(ws, "jobs"))["jobs"]
+        assert pushed["grace_seconds"] == 2.5  # pushed as preemptible
         assert await gpuq.preempt(pool, job_id) == {job_id: 2.5}
         assert await gpuq.preempt(pool, job_id) == {}  # asked already, within its grace time
         assert await next_of(ws, "preempt") == {"type": "preempt", "ids": [job_id], "deadline_seconds": 2.5}
@@ -76,7 +77,7 @@ async def test_a_version_8_agent_is_never_given_a_preemptible_job(dsn, pool):
         yielding = await gpuq.enqueue(pool, "train", {}, preemptible=True)
         plain = await gpuq.enqueue(pool, "train", {})
         [pushed] = (await next_of(old, "jobs"))["jobs"]  # the old agent keeps a free slot
-        assert pushed["id"] == plain
+        assert pushed["id"] == plain and "grace_seconds" not in pushed
         status = await asyncio.to_thread(http_json, srv.port, "/status")
         [why] = status["unplaceable"]["train"]
         assert "protocol 9" in why["reason"]
@@ -111,3 +112,42 @@ async def test_plain_sql_enqueues_a_preemptible_job_and_other_jobs_keep_their_sh
     gpu = await pool.fetchval("INSERT INTO gpuq.jobs (kind, gpus) VALUES ('sqlp', 1) RETURNING shape")
     assert gpu == await pool.fetchval("SELECT md5(concat_ws('/', 1, NULL::int, '', NULL::text, false))")  # 0014's
     assert await pool.fetchval("INSERT INTO gpuq.jobs (kind) VALUES ('sqlp') RETURNING shape") is None
+
+
+async def test_sigterm_makes_running_preemptible_jobs_yield_and_the_others_finish(dsn, pool):
+    running = anyio.Event()
+
+    async def handle(job):
+        if job.grace_seconds is None:
+            running.set()
+            return "finished"  # not preemptible: it runs to its end
+        asked = asyncio.Event()
+        on_preempt(job, asked.set)
+        await asked.wait()
+        raise JobPreempted
+
+    async with running_server(dsn, poll_seconds=60) as srv:
+        yielding = await gpuq.enqueue(pool, "train", {}, preemptible=True, grace_seconds=30)
+        agent = await srv.agent(["train"], 2, handle)
+        await wait_status(pool, yielding, "leased")
+        plain = await gpuq.enqueue(pool, "train", {})
+        with anyio.fail_after(10):
+            await running.wait()
+        agent._terminated()  # what SIGTERM does (run_until_signal), with no interruption notice
+        await wait_status(pool, yielding, "pending")
+        await wait_status(pool, plain, "done")
+    row = await job(pool, yielding)
+    assert (row["attempts"], row["preemptions"]) == (0, 1) and agent.protocol.finished
+
+
+async def test_with_two_servers_the_one_holding_the_agent_asks_it(dsn, pool):
+    async with running_server(dsn, poll_seconds=60), running_server(dsn, poll_seconds=60) as b:
+        ws, _ = await raw_agent(b, ("train",), **HELLO_9)  # on server b; the admin's call reaches neither directly
+        job_id = await gpuq.enqueue(pool, "train", {}, preemptible=True, grace_seconds=4)
+        [pushed] = (await next_of(ws, "jobs"))["jobs"]
+        assert await gpuq.preempt(pool, job_id) == {job_id: 4.0}
+        assert await next_of(ws, "preempt") == {"type": "preempt", "ids": [job_id], "deadline_seconds": 4.0}
+        await ws.send(json.dumps({"type": "preempted", "id": job_id, "lease_token": pushed["lease_token"]}))
+        assert (await next_of(ws, "ack"))["accepted"] == [job_id]
+        await ws.close()
+    assert (await job(pool, job_id))["preemptions"] == 1

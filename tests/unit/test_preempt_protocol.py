@@ -146,3 +146,18 @@ def test_a_preemptible_job_is_placed_and_its_values_are_checked():
         NewJob("train", max_preemptions=-1)
     with pytest.raises(ValueError, match="preemptible"):
         NewJob.from_mapping({"kind": "train", "preemptible": "yes"})
+
+
+def test_a_pushed_job_with_grace_seconds_is_preemptible_and_yield_running_marks_only_those():
+    p = agent(capacity=2, prefetch=0)
+    frame = json.dumps({"type": "jobs", "jobs": [
+        {"id": 1, "lease_token": TOKEN, "kind": "embed", "payload": {}, "attempt": 1, "grace_seconds": 30},
+        {"id": 2, "lease_token": TOKEN, "kind": "embed", "payload": {}, "attempt": 1},
+        {"id": 3, "lease_token": TOKEN, "kind": "embed", "payload": {}, "attempt": 1, "grace_seconds": 2}]})
+    jobs = {j.id: j for j in p.receive(frame).jobs}
+    assert (jobs[1].grace_seconds, jobs[2].grace_seconds) == (30.0, None)
+    assert p.yield_running(within=10) == (1, 3)
+    assert (jobs[1].preempt_deadline, jobs[3].preempt_deadline) == (110.0, 102.0)  # the sooner of the two
+    assert not jobs[2].preempted
+    with pytest.raises(ProtocolError):
+        parse_server(frame.replace('"grace_seconds": 2', '"grace_seconds": 0'))

@@ -36,6 +36,13 @@ DEFAULT_PREFETCH = 1
 # Jobs one batch handler call takes at most (hello.batch), with a batch handler: the server sends
 # smaller batches when fewer jobs wait (its batching policy decides).
 DEFAULT_MAX_BATCH = 64
+# Of an interruption's notice (or a SIGTERM's drain deadline), what is kept for reporting: preemptible
+# jobs yield within the rest (a quarter of a short notice).
+INTERRUPTION_MARGIN_SECONDS = 5.0
+
+
+def interruption_margin(notice_seconds: float) -> float:
+    return min(INTERRUPTION_MARGIN_SECONDS, notice_seconds / 4)
 
 
 class AuthError(RuntimeError):
@@ -64,6 +71,7 @@ class Agent:
         drain_seconds: float | None = None,
         batch_handler: BatchHandler | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
+        interruption_notice: float | None = None,
     ):
         self.url, self.token = url, token
         self.kinds = tuple(kinds)
@@ -81,6 +89,8 @@ class Agent:
         self._reconnect_now = _Nudge()  # stop() cuts the current reconnect wait short, not the later ones
         # On SIGTERM (run_until_signal), stop with this deadline; None: wait for every report.
         self.drain_seconds = drain_seconds
+        # On SIGTERM, an interruption with this notice instead (a spot instance's); None: a stop.
+        self.interruption_notice = interruption_notice
         self._deadline: float | None = None  # monotonic: run() returns by then (stop(deadline_seconds))
         self._running: anyio.CancelScope | None = None  # run()'s, while it runs
         self._deadline_timer: asyncio.TimerHandle | None = None
@@ -137,6 +147,35 @@ class Agent:
             self._deadline = at if self._deadline is None else min(self._deadline, at)
             self._arm_deadline()
         self._stop_event.set()
+
+    def interrupt(self, notice_seconds: float) -> None:
+        """This machine goes away in ``notice_seconds`` (a spot interruption: call it, on the agent's
+        event loop, from a watcher of the cloud's metadata). The agent drains: it takes no new work,
+        jobs held ready go back at once, running preemptible jobs are asked to yield within the
+        notice less a margin (``interruption_margin``) and go back without counting an attempt;
+        ``run()`` returns by the notice (what still runs then is left to the server)."""
+        within = max(0.0, notice_seconds - interruption_margin(notice_seconds))
+        log.info("agent.interrupted", agent=self.name, notice_seconds=notice_seconds, yield_within=within,
+                 running=len(self.protocol.running))
+        self.stop(notice_seconds)
+        self._yield_running(within)
+
+    def _terminated(self) -> None:
+        """SIGTERM: with ``interruption_notice``, an interruption; else a stop (``drain_seconds``)
+        in which running preemptible jobs yield within their grace, or the drain's deadline less
+        the margin if sooner."""
+        if self.interruption_notice is not None:
+            self.interrupt(self.interruption_notice)
+            return
+        self.stop(self.drain_seconds)
+        drain = self.drain_seconds
+        self._yield_running(None if drain is None else max(0.0, drain - interruption_margin(drain)))
+
+    def _yield_running(self, within: float | None) -> None:
+        if ids := self.protocol.yield_running(within):
+            self._slots.preempt(ids, within or 0.0)
+            log.info("agent.jobs_yielding", agent=self.name, job_ids=list(ids), within_seconds=within)
+        self._ready.set()
 
     async def run(self) -> None:
         """Connect, run jobs, reconnect with backoff; return once stopped and everything is acked
@@ -287,9 +326,10 @@ class Agent:
             self._ready.set()
 
     async def run_until_signal(self) -> None:
-        """``run()``, with SIGTERM/SIGINT turned into a graceful ``stop()``."""
+        """``run()``, with SIGTERM/SIGINT turned into a graceful ``stop()`` (running preemptible jobs
+        yield), or with ``interruption_notice`` into ``interrupt()``."""
         async with anyio.create_task_group() as tg:
-            tg.start_soon(stop_on_signal, lambda: self.stop(self.drain_seconds))
+            tg.start_soon(stop_on_signal, self._terminated)
             await self.run()
             tg.cancel_scope.cancel()
 

@@ -38,10 +38,11 @@ I/O layer (``gpuq.agent``) feeds frames to ``receive()`` and sends what
   *unit*: a job or a ``Batch``. A cancelled item of a ready batch ends at once
   and the batch goes on without it; one of a running batch is only marked
   (the slot reports it ``cancelled`` when the batch handler returns).
-- preemption (version 9): a ``preempt`` marks the named running jobs
-  ``preempted``, with their deadline (the I/O layer stops their handlers
-  then); a named job that waits ready never starts here: it is given back
-  (``release``). ``job_preempted`` reports a job that yielded.
+- preemption (version 9): a job pushed with ``grace_seconds`` is preemptible;
+  ``preempt`` marks the named running jobs ``preempted`` with a deadline (the
+  I/O layer stops them then) and gives back (``release``) those that wait
+  ready; ``yield_running`` marks every preemptible one (the agent is leaving);
+  ``job_preempted`` reports one that yielded.
 - ``ThreadSafeAgentProtocol``: the same, every method that changes state
   under one lock, for an agent whose sync handlers' slots run in worker
   threads and call ``job_started``, ``job_done``/``job_failed`` and
@@ -187,12 +188,10 @@ class AgentProtocol:
 
     def _preempt(self, msg: Preempt) -> Preempt:
         """Mark the named running jobs preempted, give back those that wait ready; the running ones."""
-        named = set(msg.ids)
+        named, deadline = set(msg.ids), self.clock() + msg.deadline_seconds
         self._give_back([unit for unit in self.waiting if named.intersection(job_ids(unit))])
-        deadline, running = self.clock() + msg.deadline_seconds, [self.running[i] for i in msg.ids if i in self.running]
-        for job in running:
-            mark_preempted(job, deadline)
-        return Preempt(tuple(job.id for job in running), msg.deadline_seconds)
+        return Preempt(_preempted([self.running[i] for i in msg.ids if i in self.running], lambda _: deadline),
+                       msg.deadline_seconds)
 
     def _end_waiting(self, cancelled: set[int]) -> set[int]:
         """Cancelled jobs that never started end here, before they start (a ready batch goes on
@@ -305,6 +304,13 @@ class AgentProtocol:
     def job_failed(self, job: JobMessage, error: str, retryable: bool) -> None:
         self._finish(job, encode(Failed(job.id, job.lease_token, error, retryable)))
 
+    def yield_running(self, within: float | None = None) -> tuple[int, ...]:
+        """The agent must leave (an interruption, SIGTERM): mark its running preemptible jobs preempted,
+        each to yield within its grace, or ``within`` seconds if sooner; their ids."""
+        now = self.clock()
+        return _preempted(list(self.running.values()), lambda job: None if job.grace_seconds is None else
+                          now + (job.grace_seconds if within is None else min(within, job.grace_seconds)))
+
     def job_preempted(self, job: JobMessage) -> None:
         """The job yielded to a ``preempt`` (version 9): back to pending, its attempt not counted."""
         self._finish(job, encode(Preempted(job.id, job.lease_token)))
@@ -389,6 +395,19 @@ class AgentProtocol:
         return out
 
 
+def _preempted(jobs: list[JobMessage], deadline: Callable[[JobMessage], float | None]) -> tuple[int, ...]:
+    """Mark each job preempted, by ``deadline(job)`` (None: not this one; one preempted already keeps
+    its deadline); the ids of those marked now or before."""
+    marked = []
+    for job in jobs:
+        at = None if job.preempted else deadline(job)
+        if at is not None:
+            mark_preempted(job, at)
+        if job.preempted:
+            marked.append(job.id)
+    return tuple(marked)
+
+
 def encode_outcome(job: JobMessage, result: Any, max_frame: int) -> str:
     """The encoded ``done``, or a permanent ``failed`` for a result the server could not take."""
     limit = max_frame - RESULTS_OVERHEAD
@@ -407,7 +426,7 @@ def encode_outcome(job: JobMessage, result: Any, max_frame: int) -> str:
 
 # Every method that changes state: the I/O layer calls them from its event loop, a sync slot from its thread.
 _CHANGES_STATE = ("connection_made", "connection_lost", "receive", "take", "job_started", "next_jobs", "_finish",
-                  "send_progress", "heartbeat", "update", "drain", "frames_to_send")
+                  "send_progress", "heartbeat", "update", "drain", "frames_to_send", "yield_running")
 
 
 class ThreadSafeAgentProtocol(AgentProtocol):

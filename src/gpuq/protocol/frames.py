@@ -136,7 +136,8 @@ def jobs_frame(messages: list[str]) -> str:
 
 def job_message(job_id: int, lease_token: str, kind: str, payload_json: str, attempt: int,
                 timeout: int | None = None, devices: tuple[int, ...] = (), queued_ms: int | None = None,
-                batch: int | None = None, trace: tuple[str, str | None] | None = None) -> str:
+                batch: int | None = None, trace: tuple[str, str | None] | None = None,
+                grace_seconds: float | None = None) -> str:
     """One pushed job, as JSON, around a payload that is JSON text already (from PostgreSQL).
 
     Spliced, not encoded: the lease token is PostgreSQL's uuid text and the
@@ -157,5 +158,7 @@ def job_message(job_id: int, lease_token: str, kind: str, payload_json: str, att
         limit += f',"traceparent":"{trace[0]}"'
         if trace[1] is not None:
             limit += ',"tracestate":' + to_json(trace[1])
+    if grace_seconds is not None:  # protocol 9: a preemptible job
+        limit += f',"grace_seconds":{float(grace_seconds)!r}'
     return (f'{{"id":{job_id:d},"lease_token":"{lease_token}","kind":"{kind}","payload":{payload_json},'
             f'"attempt":{attempt:d}{limit}}}')

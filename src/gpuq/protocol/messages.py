@@ -178,6 +178,7 @@ class JobMessage:
     # Protocol 8: the producer's trace, (traceparent, tracestate or None), when it had one: the
     # handler's span continues it.
     trace: tuple[str, str | None] | None = None
+    grace_seconds: float | None = None  # protocol 9: a preemptible job's time to yield once asked (None: not preemptible)
     cancelled: bool = field(default=False, compare=False)
     preempted: bool = field(default=False, compare=False)  # protocol 9: asked to yield (checkpoint, stop)
     preempt_deadline: float | None = field(default=None, compare=False)  # time.monotonic() it is stopped at

@@ -223,7 +223,8 @@ def parse_server(frame: str | bytes) -> m.ServerMessage:
             return m.Jobs(tuple(m.JobMessage(job_id(j["id"]), token(j["lease_token"]), str(j["kind"]),
                                              j["payload"], int(j["attempt"]), timeout(j.get("timeout")),
                                              device_indices(j.get("devices")), queued(j.get("queued_ms")),
-                                             batch_number(j.get("batch")), _trace(j) if "traceparent" in j else None)
+                                             batch_number(j.get("batch")), _trace(j) if "traceparent" in j else None,
+                                             _grace(j.get("grace_seconds")))
                                 for j in obj["jobs"]))
         if kind == "ack":
             return m.Ack(tuple(job_id(i) for i in obj["accepted"]), tuple(job_id(i) for i in obj["rejected"]))
@@ -247,6 +248,15 @@ def parse_server(frame: str | bytes) -> m.ServerMessage:
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(BAD_MESSAGE, f"malformed {kind} message from the server: {exc}") from None
     raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r} from the server")
+
+
+def _grace(value: Any) -> float | None:
+    """A pushed job's ``grace_seconds`` (protocol 9: it is preemptible), or None."""
+    if value is None:
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= MAX_PREEMPT_SECONDS:
+        raise ValueError(f"jobs[].grace_seconds must be a number above 0, at most {MAX_PREEMPT_SECONDS:g}")
+    return float(value)
 
 
 def _trace(job: dict[str, Any]) -> tuple[str, str | None]:

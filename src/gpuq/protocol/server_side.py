@@ -37,7 +37,7 @@ every rule of the connection lives here:
   ``cancel``) is per item, as for any job.
 - version 8: a pushed job carries its producer's trace (``traceparent``, and
   ``tracestate`` if any) when it has one; never before version 8.
-- version 9: ``preempt`` asks the agent to yield held jobs by a deadline
+- version 9: a preemptible job is pushed with its ``grace_seconds``; ``preempt`` asks the agent to yield held jobs by a deadline
   (never sent to an earlier connection, which is never given preemptible
   jobs); a ``preempted`` outcome settles a job like any outcome (its credit
   is free), and is refused (``unexpected``) on an earlier connection.
@@ -345,6 +345,7 @@ class ServerProtocol:
         pushed: list[str] = []
         refused: list[Any] = []
         queued, traced = self.version >= SLOTS_SINCE, self.version >= TRACE_SINCE
+        yielding = self.version >= PREEMPT_SINCE
         for unit in group(jobs):
             held = self._hold(unit)
             if held is None:
@@ -354,7 +355,8 @@ class ServerProtocol:
             pushed.extend(job_message(j.id, j.lease_token, j.kind, j.payload_json, j.attempt,
                                       getattr(j, "timeout_seconds", None), devices,
                                       getattr(j, "queued_ms", None) if queued else None, number,
-                                      getattr(j, "trace", None) if traced else None)
+                                      getattr(j, "trace", None) if traced else None,
+                                      getattr(j, "grace_seconds", None) if yielding else None)
                           for j in unit)
         if pushed:
             self._out.append(jobs_frame(pushed))

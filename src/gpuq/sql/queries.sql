@@ -160,7 +160,8 @@ WHERE j.ctid = p.ctid
 RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token, j.priority, j.leased_by,
           j.payload::text AS payload_json, s.slot,
           coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds,
-          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.traceparent, j.tracestate;
+          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.traceparent, j.tracestate,
+          j.grace_seconds;
 
 -- name: limits_lock
 -- Taken before lease_limited, in its transaction: limited leases run one at a time across dispatchers, each counting the last one's.
@@ -212,7 +213,8 @@ WHERE j.ctid = p.ctid
 RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token, j.priority, j.leased_by,
           j.payload::text AS payload_json, s.slot,
           coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds,
-          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.traceparent, j.tracestate;
+          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.traceparent, j.tracestate,
+          j.grace_seconds;
 
 -- name: limit_set
 -- At most $3 jobs leased at once under scope $1 ('kind' or 'key') and name $2 (NULL: no limit); wakes the dispatchers.
@@ -368,7 +370,8 @@ WHERE j.ctid = p.ctid
 RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token, j.priority, j.leased_by,
           j.payload::text AS payload_json,
           coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds,
-          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.batch_id, j.traceparent, j.tracestate;
+          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.batch_id, j.traceparent, j.tracestate,
+          j.grace_seconds;
 
 -- name: placed_head
 -- Seconds the next pending job of kind $1 and shape $2 has been due (jobs_placed_idx; no row: none pending).
@@ -552,14 +555,14 @@ WHERE j.id = picked.id AND given.id = j.id AND j.lease_token = given.token
 RETURNING j.id, j.kind, j.status;
 
 -- name: preempted_many
--- Jobs that yielded to a preempt: ids $1 still leased with tokens $2 go back to pending (their place in the queue kept), the attempt not counted, one more preemption counted; while fair share is on (gpuq.tenants has a row) the attempt's GPU-seconds are charged.
+-- Preemptible jobs that yielded (to a preempt, or their agent's interruption): ids $1 still leased with tokens $2 go back to pending (their place in the queue kept), the attempt not counted, one more preemption counted; while fair share is on (gpuq.tenants has a row) the attempt's GPU-seconds are charged.
 WITH moved AS (
     UPDATE gpuq.jobs j
     SET status = 'pending', attempts = j.attempts - 1, preemptions = j.preemptions + 1, preempt_at = NULL,
         lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
     FROM (SELECT id FROM gpuq.jobs WHERE status::text = 'leased' AND id = ANY($1::bigint[]) FOR UPDATE) AS picked,
          unnest($1::bigint[], $2::uuid[]) AS given(id, token)
-    WHERE j.id = picked.id AND given.id = j.id AND j.lease_token = given.token
+    WHERE j.id = picked.id AND given.id = j.id AND j.lease_token = given.token AND j.preemptible
     RETURNING j.id, j.kind, j.status, j.tenant, gpuq.gpu_seconds(j.started_at, now(), j.gpus, j.batch_size) AS charge
 ), charged AS (
     INSERT INTO gpuq.tenant_usage AS u (tenant, usage, usage_at)
