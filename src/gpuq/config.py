@@ -165,6 +165,9 @@ SETTINGS: tuple[Setting, ...] = (
             "a job naming a model waits up to this long for an agent holding it warm before it goes to "
             "one that must load it (0: never waits); set it near your models' load time",
             {SERVE: "--warm-wait"}),
+    Setting("preempt_min_run_seconds", "GPUQ_PREEMPT_MIN_RUN", 60.0, parse_duration,
+            "a GPU job that finds no free devices may preempt lower-priority preemptible jobs that ran at "
+            "least this long", {SERVE: "--preempt-min-run"}),
     Setting("sweep_seconds", "GPUQ_SWEEP_SECONDS", 2.0, parse_duration,
             "interval of the maintenance services (reclaim, promote, retention)",
             {"sweep": "--interval"}, used_by="serve, sweep"),
@@ -306,6 +309,7 @@ class ServerConfig:
     max_messages_per_second: int = default("max_messages_per_second")
     reserve_after_seconds: float = default("reserve_after_seconds")
     warm_wait_seconds: float = default("warm_wait_seconds")
+    preempt_min_run_seconds: float = default("preempt_min_run_seconds")
 
     def __post_init__(self) -> None:
         for name in ("lease_seconds", "heartbeat_seconds", "poll_seconds", "busy_poll_seconds", "sweep_seconds", "drain_seconds",
@@ -321,8 +325,9 @@ class ServerConfig:
             raise ConfigError("a dashboard token is also an agent token: give the dashboard its own")
         if self.ui_tokens & self.ui_admin_tokens:
             raise ConfigError("a token is both read-only and admin for the dashboard: give each one role")
-        if self.warm_wait_seconds < 0:
-            raise ConfigError(f"warm_wait_seconds must be 0 or more, not {self.warm_wait_seconds}")
+        for name in ("warm_wait_seconds", "preempt_min_run_seconds"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be 0 or more, not {getattr(self, name)}")
         if self.max_payload < 1024:
             raise ConfigError(f"max_payload must be at least 1024 bytes, not {self.max_payload}")
         for name in ("max_batch", "max_connections", "max_connections_per_ip", "max_messages_per_second"):

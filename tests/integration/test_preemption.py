@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import anyio
+import pytest
 
 import gpuq
 from gpuq.agent import JobPreempted, on_preempt
@@ -151,3 +152,30 @@ async def test_with_two_servers_the_one_holding_the_agent_asks_it(dsn, pool):
         assert (await next_of(ws, "ack"))["accepted"] == [job_id]
         await ws.close()
     assert (await job(pool, job_id))["preemptions"] == 1
+
+
+@pytest.mark.parametrize("prefetch", [1, 0])  # pushed to wait on the busy device, or left pending
+async def test_an_urgent_gpu_job_preempts_a_lower_priority_one_and_waits_no_longer_than_its_grace(dsn, pool, prefetch):
+    from gpuq.protocol import Device
+
+    grace = 1.0
+    running = anyio.Event()
+
+    async def handle(job):
+        if job.payload.get("low") and not running.is_set():
+            running.set()
+            await asyncio.Event().wait()  # ignores the preempt: stopped at the deadline
+        return "done"
+
+    async with running_server(dsn, poll_seconds=60, preempt_min_run_seconds=0) as srv:
+        await srv.agent(["train"], 1, handle, devices=[Device(0, "h100", 81920)], prefetch=prefetch)
+        low = await gpuq.enqueue(pool, "train", {"low": True}, gpus=1, preemptible=True, grace_seconds=grace)
+        with anyio.fail_after(10):
+            await running.wait()
+        urgent = await gpuq.enqueue(pool, "train", {}, gpus=1, priority=10)
+        await wait_status(pool, urgent, "done")
+        waited = await pool.fetchval("SELECT extract(epoch FROM started_at - created_at) FROM gpuq.jobs WHERE id = $1",
+                                     urgent)
+        await wait_status(pool, low, "done")  # it ran again after the urgent one
+        assert ((await job(pool, low))["preemptions"], (await job(pool, low))["attempts"]) == (1, 1)
+    assert waited <= grace + 1.0  # the bound: the grace time plus a little

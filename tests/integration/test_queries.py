@@ -23,7 +23,7 @@ NAMES = {
     "fleet_put", "fleet_drop", "fleet_refresh", "fleet_prune", "fleet_others", "backlog",
     "complete_many_charged", "fail_many_charged", "tenant_set", "tenant_weights", "half_life_set", "half_life",
     "tenant_usage",
-    "preempted_many", "preempt",
+    "preempted_many", "preempt", "placed_head_priority", "held_preemption",
 }
 MULTI_STATEMENT = {"migrations_bootstrap", "plan_guards"}  # run as a simple query, never prepared
 

@@ -379,6 +379,18 @@ SELECT extract(epoch FROM now() - run_at)::float8 AS waited FROM gpuq.jobs
 WHERE status = 'pending' AND shape IS NOT NULL AND kind = $1 AND shape = $2 AND run_at <= now()
 ORDER BY priority DESC, id LIMIT 1;
 
+-- name: placed_head_priority
+-- The priority of the next pending job of kind $1 and shape $2 that is due (jobs_placed_idx; no row: none pending).
+SELECT priority FROM gpuq.jobs
+WHERE status = 'pending' AND shape IS NOT NULL AND kind = $1 AND shape = $2 AND run_at <= now()
+ORDER BY priority DESC, id LIMIT 1;
+
+-- name: held_preemption
+-- Of the leased jobs $1 (held by this server's agents), how preemption sees each: preemptible, priority, seconds run, and whether it was asked to yield within its grace time.
+SELECT id, preemptible, priority, extract(epoch FROM now() - started_at)::float8 AS ran_seconds,
+       coalesce(preempt_at > now() - make_interval(secs => grace_seconds), false) AS yielding
+FROM gpuq.jobs WHERE id = ANY($1::bigint[]) AND status::text = 'leased';
+
 -- name: placed_pending
 -- Pending placed jobs per kind and shape (jobs_placed_idx: live rows only).
 SELECT kind, shape, count(*) AS n, min(created_at) AS oldest
