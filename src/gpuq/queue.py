@@ -385,11 +385,11 @@ async def release_unstarted(db: DB, jobs: Sequence[tuple[int, str]]) -> Moved:
 
 
 async def preempted_many(db: DB, jobs: Sequence[tuple[int, str]]) -> Moved:
-    """Jobs ``(id, lease_token)`` that yielded to a preempt: pending again where the token still
-    holds the lease, the attempt not counted, one more preemption counted."""
+    """Preemptible jobs ``(id, lease_token)`` that yielded: pending again (``preempted_many``'s rules)."""
     if not jobs:
         return Moved([], [], set())
-    return await _move_and_notify(db, "preempted_many", [i for i, _ in jobs], [t for _, t in jobs])
+    return await _move_and_notify(db, "preempted_many", [i for i, _ in jobs], [t for _, t in jobs],
+                                  "preempted past max_preemptions during the last attempt")
 
 
 async def release_jobs(db: DB, ids: Sequence[int], undelivered: bool = False) -> Moved:

@@ -179,3 +179,21 @@ async def test_an_urgent_gpu_job_preempts_a_lower_priority_one_and_waits_no_long
         await wait_status(pool, low, "done")  # it ran again after the urgent one
         assert ((await job(pool, low))["preemptions"], (await job(pool, low))["attempts"]) == (1, 1)
     assert waited <= grace + 1.0  # the bound: the grace time plus a little
+
+
+async def test_past_max_preemptions_a_yield_counts_the_attempt_so_spot_interruptions_cannot_loop(dsn, pool):
+    async with running_server(dsn, poll_seconds=60) as srv:
+        ws, _ = await raw_agent(srv, ("train",), capacity=2, **HELLO_9)
+        last = await gpuq.enqueue(pool, "train", {}, preemptible=True, max_preemptions=0, max_attempts=1)
+        more = await gpuq.enqueue(pool, "train", {}, preemptible=True, max_preemptions=0, max_attempts=2)
+        pushed: list = []
+        while len(pushed) < 2:
+            pushed += (await next_of(ws, "jobs"))["jobs"]
+        await ws.send(json.dumps({"type": "results", "results": [  # its agent is going away: it yields anyway
+            {"type": "preempted", "id": j["id"], "lease_token": j["lease_token"]} for j in pushed]}))
+        assert sorted((await next_of(ws, "ack"))["accepted"]) == sorted([last, more])
+        await ws.close()
+    dead, again = await job(pool, last), await job(pool, more)
+    assert (dead["status"], dead["attempts"], dead["preemptions"]) == ("dead", 1, 1)
+    assert "max_preemptions" in dead["last_error"]
+    assert again["attempts"] == 1 and again["preemptions"] == 1 and again["status"] in ("pending", "leased")

@@ -186,7 +186,7 @@ class Completer(Writer):
     async def _write_preempted(self, yielded: list[tuple[Session, Preempted, str]]) -> None:
         """Jobs that yielded: pending again where their token holds, each agent acked."""
         moved = await queue.preempted_many(self.pool, [(m.id, m.lease_token) for _, m, _ in yielded])
-        back = set(moved.pending)
+        back = {*moved.pending, *moved.dead}
         acks: dict[Session, tuple[list[int], list[int]]] = {}
         for session, m, _kind in yielded:
             acks.setdefault(session, ([], []))[0 if m.id in back else 1].append(m.id)

@@ -12,8 +12,8 @@ It owns what the look needs between passes:
 The choice itself is ``gpuq.preemption.choose``, a pure function over the
 fleet's view (``Box``: each agent that could run the shape, its fitting
 devices and the jobs it holds, with what the database says of them) and the
-blocked job (the shape's next job's priority). The ask is ``gpuq.preempt``: the
-same path as ``gpuq preempt`` (a NOTIFY to the server holding the agent).
+blocked job (the shape's next job's priority). The ask is ``gpuq.preempt``, as
+``gpuq preempt`` asks, and the victims' agents, this server's, are told at once.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Preempting:
         self._looked_at, self._owed = now, False
         views = await self._held(agents)
         for session in waiting:
-            await self._for_ready(session, views)
+            await self._for_ready(session, views, agents)
         for key, shape in blocked:
             await self._for_shape(key, shape, agents, views, reserved)
         # A job too young to be a victim now may be one later: look again then (for any priority above it).
@@ -80,10 +80,10 @@ class Preempting:
         young = preemption.eligible_in(held, preemption.Blocked(2**31, 0), self.config.preempt_min_run_seconds)
         self._eligible_at = None if young is None else now + young + 0.01
 
-    async def _for_ready(self, session: AgentSession, views: dict[int, preemption.Held]) -> None:
+    async def _for_ready(self, session: AgentSession, views: dict[int, preemption.Held], agents: Sessions) -> None:
         """Jobs held ready on this agent's busy devices: the running jobs there may have to yield."""
         if victims := preemption.for_ready(_box(session, None, views), self.config.preempt_min_run_seconds):
-            asked = await admin.preempt(self.pool, *victims)
+            asked = await self._ask(victims, agents)
             log.info("preempt.priority", agent=session.id, victims=victims, asked=sorted(asked),
                      reason="a higher-priority job waits ready for their devices")
 
@@ -101,9 +101,17 @@ class Preempting:
             return
         reserved[choice.agent] = self._mine[choice.agent] = key
         if choice.ids:
-            asked = await admin.preempt(self.pool, *choice.ids)
+            asked = await self._ask(choice.ids, agents)
             log.info("preempt.priority", agent=choice.agent, kind=shape.kind, gpus=shape.gpus, priority=priority,
                      victims=list(choice.victims), released=list(choice.released), asked=sorted(asked))
+
+    async def _ask(self, ids: list[int], agents: Sessions) -> dict[int, float]:
+        """``gpuq.preempt`` them, and tell their agents at once (they are this server's: the NOTIFY that
+        follows finds them asked already, and a server that only polls gets none)."""
+        asked = await admin.preempt(self.pool, *ids)
+        for grace in set(asked.values()):
+            agents.preempt_running([i for i, g in asked.items() if g == grace], grace)
+        return asked
 
     async def _held(self, agents: Sessions) -> dict[int, preemption.Held]:
         """Every job with devices held by this server's agents, as preemption sees it."""

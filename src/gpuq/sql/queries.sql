@@ -567,10 +567,16 @@ WHERE j.id = picked.id AND given.id = j.id AND j.lease_token = given.token
 RETURNING j.id, j.kind, j.status;
 
 -- name: preempted_many
--- Preemptible jobs that yielded (to a preempt, or their agent's interruption): ids $1 still leased with tokens $2 go back to pending (their place in the queue kept), the attempt not counted, one more preemption counted; while fair share is on (gpuq.tenants has a row) the attempt's GPU-seconds are charged.
+-- Preemptible jobs that yielded (to a preempt, or their agent's interruption): ids $1 still leased with tokens $2 go back to pending (their place in the queue kept), one more preemption counted, the attempt not counted while preemptions are left (past max_preemptions, as a spot interruption can take it, it counts: dead after the last attempt, error $3); while fair share is on (gpuq.tenants has a row) the attempt's GPU-seconds are charged.
 WITH moved AS (
     UPDATE gpuq.jobs j
-    SET status = 'pending', attempts = j.attempts - 1, preemptions = j.preemptions + 1, preempt_at = NULL,
+    SET status = CASE WHEN j.preemptions >= j.max_preemptions AND j.attempts >= j.max_attempts
+                      THEN 'dead'::gpuq.job_status ELSE 'pending' END,
+        finished_at = CASE WHEN j.preemptions >= j.max_preemptions AND j.attempts >= j.max_attempts THEN now() END,
+        last_error = CASE WHEN j.preemptions >= j.max_preemptions AND j.attempts >= j.max_attempts THEN $3
+                          ELSE j.last_error END,
+        attempts = j.attempts - (j.preemptions < j.max_preemptions)::int,
+        preemptions = j.preemptions + 1, preempt_at = NULL,
         lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
     FROM (SELECT id FROM gpuq.jobs WHERE status::text = 'leased' AND id = ANY($1::bigint[]) FOR UPDATE) AS picked,
          unnest($1::bigint[], $2::uuid[]) AS given(id, token)
