@@ -73,9 +73,10 @@ async def retry_count(db: DB, which: RetryFilter) -> int:
     return int(await db.fetchval(queries["retry_count"], *which.args()))
 
 
-async def retry(db: DB, which: RetryFilter) -> int:
-    """Send matching dead or cancelled jobs back to pending with fresh attempts; how many went."""
-    return int(await db.fetchval(queries["retry"], *which.args()) or 0)
+async def retry(db: DB, which: RetryFilter, fresh: bool = False) -> int:
+    """Send matching dead or cancelled jobs back to pending with fresh attempts; how many went.
+    They keep their checkpoint (the next attempt resumes from it) unless ``fresh``."""
+    return int(await db.fetchval(queries["retry"], *which.args(), fresh) or 0)
 
 
 async def set_limit(db: DB, scope: str, name: str, max_running: int | None) -> None:
@@ -172,7 +173,7 @@ async def show(db: DB, job_id: int) -> dict[str, Any] | None:
     if row is None:
         return None
     out = dict(row)
-    for key in ("payload", "result", "progress"):
+    for key in ("payload", "result", "progress", "checkpoint"):
         out[key] = None if out[key] is None else json.loads(out[key])
     return out
 

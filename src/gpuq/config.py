@@ -217,6 +217,10 @@ SETTINGS: tuple[Setting, ...] = (
             shown="none"),
     Setting("agent_max_batch", "GPUQ_AGENT_MAX_BATCH", 64, parse_int,
             "most jobs one batch handler call takes (1-4096; with --batch-handler)", {AGENT: "--max-batch"}),
+    Setting("checkpoint_seconds", "GPUQ_CHECKPOINT_SECONDS", 1.0, parse_duration,
+            "a job's `job.checkpoint()` goes to the server at most this often (its first at once; the latest "
+            "of those in between when it lapses, and one still waiting before the job's outcome; 0: each at once)",
+            {AGENT: "--checkpoint-seconds"}),
     Setting("agent_name", "GPUQ_AGENT_NAME", None, parse_text, "agent name in logs and leased_by",
             {AGENT: "--name"}, shown="hostname"),
     Setting("devices", "GPUQ_DEVICES", "auto", parse_text,

@@ -198,6 +198,9 @@ class LeasedJob:
     # The producer's trace (None: none), pushed to agents of protocol 8 (docs/design.md, "Tracing").
     trace: TraceContext | None = None
     grace_seconds: float | None = None  # a preemptible job's time to yield (pushed to agents of protocol 9)
+    # The job's last checkpoint as PostgreSQL's JSON text (None: none), pushed to agents of protocol 9
+    # as ``resume_from`` (docs/design.md, "Checkpoints"); spliced like the payload.
+    resume_json: str | None = None
 
     @property
     def payload(self) -> Any:

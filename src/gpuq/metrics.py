@@ -62,6 +62,8 @@ WAKEUP_ARMS = Counter("gpuq_wakeup_arms", "Times the dispatcher asked producers 
 PROTOCOL_ERRORS = Counter("gpuq_protocol_errors", "Agent messages refused", ["code"], registry=REGISTRY)
 PROGRESS_WRITTEN = Counter("gpuq_progress_written", "Progress updates stored (at most one per job per second)",
                            registry=REGISTRY)
+CHECKPOINTS_WRITTEN = Counter("gpuq_checkpoints_written", "Checkpoints stored (job.checkpoint(), fenced by the lease)",
+                              registry=REGISTRY)
 DEVICE_MEMORY_TOTAL = Gauge("gpuq_agent_device_memory_total_bytes", "A connected agent's GPU memory",
                             ["agent", "device", "name"], registry=REGISTRY)
 DEVICE_MEMORY_USED = Gauge("gpuq_agent_device_memory_used_bytes", "GPU memory in use (NVML, at its last heartbeat)",

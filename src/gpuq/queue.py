@@ -203,6 +203,7 @@ def _placed(shape: Shape, r: Any, batch: int | None = None) -> LeasedJob:
                      r["leased_by"], r["payload_json"], r["timeout_seconds"], shape.gpus, shape.gpu_memory_mb,
                      r["queued_ms"], shape.model, batch,
                      trace=None if (tp := r["traceparent"]) is None else (tp, r["tracestate"]),
+                     resume_json=r["checkpoint_json"],
                      grace_seconds=r["grace_seconds"] if shape.preemptible else None)
 
 
@@ -272,7 +273,8 @@ async def placed_pending(db: DB) -> dict[tuple[str, str], tuple[int, datetime]]:
 def _leased(r: Any, batch: int | None = None) -> LeasedJob:
     return LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
                      r["leased_by"], r["payload_json"], r["timeout_seconds"], queued_ms=r.get("queued_ms"),
-                     batch=batch, trace=None if (tp := r["traceparent"]) is None else (tp, r["tracestate"]))
+                     batch=batch, trace=None if (tp := r["traceparent"]) is None else (tp, r["tracestate"]),
+                     resume_json=r["checkpoint_json"])
 
 
 # --------------------------------------------------------------------------
@@ -316,6 +318,15 @@ async def record_progress(db: DB, updates: Iterable[Any]) -> set[int]:
         return set()
     rows = await db.fetch(queries["record_progress"], ids, tokens, fractions, messages, data)
     return {r["id"] for r in rows}
+
+
+async def record_checkpoints(db: DB, checkpoints: Sequence[tuple[int, str, str]]) -> set[int]:
+    """Store checkpoints ``(id, lease_token, data as JSON text)`` of jobs still leased with that
+    token (each job once); returns the ids stored: any other was refused by fencing."""
+    if not checkpoints:
+        return set()
+    ids, tokens, data = (list(c) for c in zip(*checkpoints, strict=True))
+    return {r["id"] for r in await db.fetch(queries["record_checkpoints"], ids, tokens, data)}
 
 
 async def fail_many(

@@ -228,6 +228,8 @@ class AgentServer:
             d.agent_draining(session)
         elif isinstance(event, server_side.ProgressReceived):
             d.report_progress(event.updates)
+        elif isinstance(event, server_side.CheckpointsReceived):
+            d.checkpoint(session, event.items)
         elif isinstance(event, server_side.AgentUpdated):
             d.agent_updated(session)
         elif isinstance(event, server_side.JobsReleased):

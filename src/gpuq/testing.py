@@ -10,6 +10,12 @@ same for a batch handler (one call, an outcome per item)::
         outcome = run_job(embed, {"text": "hello"})
         assert outcome.done and outcome.result == {"vector": [5]}
 
+A job that resumes (``job.resume_from``) takes the checkpoint to resume from, and the outcome
+holds the checkpoints its handler made::
+
+    outcome = run_job(train, {"steps": 100}, resume_from={"step": 50})
+    assert outcome.checkpoints[-1] == {"step": 100} and outcome.stored_checkpoint == {"step": 100}
+
 For more (cancel a job while it runs, wait for its progress, run several at once), use
 ``LocalAgent`` in an async test::
 
@@ -19,8 +25,10 @@ For more (cancel a job while it runs, wait for its progress, run several at once
         run.cancel()                    # as `gpuq cancel` does
         outcome = await run
 
-What is real: the job (``gpuq.agent.Job``: payload, attempt, timeout, devices, ``progress()``,
-``cancelled``), pushed as a ``jobs`` frame and parsed as an agent parses it; the agent's own slots
+What is real: the job (``gpuq.agent.Job``: payload, attempt, timeout, devices, ``resume_from``,
+``progress()``, ``checkpoint()``, ``cancelled``), pushed as a ``jobs`` frame and parsed as an agent
+parses it; its checkpoints, sent at most once per ``checkpoint_seconds`` (``LocalAgent``'s; 0 here
+by default) as the agent sends them, each stored unless the job was cancelled (its receipt says so); the agent's own slots
 (``gpuq.agent.connection.handler_slots``), which run async handlers in tasks and sync ones in worker
 threads, stop them at their timeout or on a cancel, and turn what they returned or raised into
 outcomes; those outcomes as the agent encodes them and the server parses them (a result that is
@@ -49,6 +57,8 @@ from gpuq.protocol import (
     MAX_BATCH_ITEMS,
     Ack,
     Cancel,
+    Checkpoint,
+    Checkpointed,
     Device,
     Done,
     Failed,
@@ -65,6 +75,7 @@ from gpuq.protocol import (
     parse_client,
 )
 from gpuq.protocol.fields import to_json
+from gpuq.protocol.receipts import Receipt
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -94,7 +105,9 @@ class Outcome:
     ``error``: the text stored as the job's ``last_error`` (the traceback's last frames, or
     ``timeout``, or ``cancelled``). ``retryable``: the server retries it while attempts remain
     (False for a ``PermanentError``). ``progress``: every ``job.progress()`` call, in order (the
-    agent sends only the latest of them twice a second). ``cancelled``: the job was cancelled while
+    agent sends only the latest of them twice a second). ``checkpoints``: every ``job.checkpoint()``
+    call's data, in order; ``stored_checkpoint``: the last one the agent sent and was stored (one
+    waiting for its interval goes out before the outcome), or the job's ``resume_from`` if none. ``cancelled``: the job was cancelled while
     it ran (``Run.cancel()``): the server has ended it ``cancelled``, whatever the agent reports.
     """
 
@@ -105,6 +118,8 @@ class Outcome:
     retryable: bool = False
     progress: tuple[Update, ...] = ()
     cancelled: bool = False
+    checkpoints: tuple[Any, ...] = ()  # every job.checkpoint() call's data, in order
+    stored_checkpoint: Any = None  # the last one stored: what a next attempt resumes from (None: none)
 
     @property
     def done(self) -> bool:
@@ -135,6 +150,8 @@ class Run:
     def __init__(self, agent: LocalAgent, job: Job):
         self.job = job  # the very object its handler gets
         self.progress: list[Update] = []  # its handler's updates so far, in order
+        self.checkpoints: list[Any] = []  # its handler's checkpoints so far, in order
+        self.stored_checkpoint: Any = job.resume_from  # the last one stored
         self._agent = agent
         self._loop = asyncio.get_running_loop()
         self._outcome: asyncio.Future[Outcome] = self._loop.create_future()
@@ -167,6 +184,18 @@ class Run:
             await waiter
         return self.progress[count - 1]
 
+    async def checkpointed(self, count: int = 1) -> Any:
+        """Wait for the handler's ``count``-th ``job.checkpoint()``, and return its data;
+        ``AssertionError`` when the job ends with fewer."""
+        while len(self.checkpoints) < count:
+            if self._outcome.done():
+                raise AssertionError(f"job {self.job.id} ended after {len(self.checkpoints)} checkpoints, "
+                                     f"not {count}: {self._outcome.result()}")
+            waiter = self._loop.create_future()
+            self._waiters.append(waiter)
+            await waiter
+        return self.checkpoints[count - 1]
+
     async def outcome(self) -> Outcome:
         """Wait for the job's outcome."""
         return await asyncio.shield(self._outcome)
@@ -179,6 +208,11 @@ class Run:
         self.progress.append(update)
         self._loop.call_soon_threadsafe(self._changed)
 
+    def _checkpointed(self, data: Any) -> None:
+        """From any thread: the handler called ``job.checkpoint()``."""
+        self.checkpoints.append(data)
+        self._loop.call_soon_threadsafe(self._changed)
+
     def _finish(self, reported: Done | Failed | Preempted | None) -> None:
         """Its outcome (None: given back unstarted, after a preempt)."""
         if isinstance(reported, Done):
@@ -188,7 +222,7 @@ class Run:
         else:
             status, result, error, retryable = "failed", None, reported.error, reported.retryable
         self._outcome.set_result(Outcome(self.job, status, result, error, retryable, tuple(self.progress),
-                                         self._cancelled))
+                                         self._cancelled, tuple(self.checkpoints), self.stored_checkpoint))
         self._changed()
 
     def _changed(self) -> None:
@@ -203,18 +237,21 @@ class LocalAgent:
     ``Run`` objects. ``handler`` takes single jobs, ``batch_handler`` batches (and single jobs when
     there is no ``handler``), as with ``gpuq.agent.Agent``; both async, or both sync. ``devices``:
     the GPUs jobs may be given, ``Device`` objects or a count of stand-ins (0, 1, ...).
-    ``max_payload``: the server's frame limit (a larger result fails permanently)."""
+    ``max_payload``: the server's frame limit (a larger result fails permanently).
+    ``checkpoint_seconds``: each job's checkpoints go out at most this often (the agent's option)."""
 
     def __init__(self, handler: Handler | None = None, batch_handler: BatchHandler | None = None, *,
                  kinds: Iterable[str] = (DEFAULT_KIND,), capacity: int = 16,
-                 devices: int | Iterable[Device] = 0, max_payload: int = 1 << 20, name: str = "local"):
+                 devices: int | Iterable[Device] = 0, max_payload: int = 1 << 20, name: str = "local",
+                 checkpoint_seconds: float = 0.0):
         self.kinds = tuple(kinds)
         if isinstance(devices, int):
             devices = (Device(i, "sim", SIMULATED_MEMORY_MB) for i in range(devices))
         self.devices = tuple(devices)
         hello = Hello(name, self.kinds, capacity, devices=self.devices,
                       batch=MAX_BATCH_ITEMS if batch_handler else 0)
-        self._slots = handler_slots(hello, handler, batch_handler, self._send, self._report_progress)
+        self._slots = handler_slots(hello, handler, batch_handler, self._send, self._report_progress,
+                                    checkpoint=self._checkpoint, checkpoint_seconds=checkpoint_seconds)
         self.protocol = self._slots.protocol
         self.max_payload = max_payload
         self._runs: dict[int, Run] = {}  # job id -> its run, every job started
@@ -244,10 +281,12 @@ class LocalAgent:
         return suppress
 
     def start(self, payload: Any = None, *, kind: str | None = None, attempt: int = 1,
-              timeout: float | None = None, devices: Sequence[int] = (), job_id: int | None = None) -> Run:
+              timeout: float | None = None, devices: Sequence[int] = (), job_id: int | None = None,
+              resume_from: Any = None) -> Run:
         """Push one job (``payload`` None: ``{}``, as enqueued): it starts at once if a slot (or its
-        devices) is free, else when one frees. ``timeout``: seconds this attempt may run."""
-        [run] = self._push([payload], kind, attempt, timeout, devices, None, job_id)
+        devices) is free, else when one frees. ``timeout``: seconds this attempt may run;
+        ``resume_from``: the checkpoint an earlier attempt stored (None: none)."""
+        [run] = self._push([payload], kind, attempt, timeout, devices, None, job_id, resume_from)
         return run
 
     def start_batch(self, payloads: Sequence[Any], *, kind: str | None = None, attempt: int = 1,
@@ -289,7 +328,7 @@ class LocalAgent:
         self._send()  # a job that had not started has ended
 
     def _push(self, payloads: Sequence[Any], kind: str | None, attempt: int, timeout: float | None,
-              devices: Sequence[int], batch: int | None, job_id: int | None) -> list[Run]:
+              devices: Sequence[int], batch: int | None, job_id: int | None, resume_from: Any = None) -> list[Run]:
         if self._tasks is None:
             raise RuntimeError("start jobs inside `async with LocalAgent(...) as agent:`")
         kind = self._check(kind, attempt, timeout, devices)
@@ -300,7 +339,8 @@ class LocalAgent:
         wire_timeout = int(timeout) if whole and timeout is not None else None
         first = max(self._runs, default=0) + 1 if job_id is None else job_id
         frames = [job_message(first + i, str(uuid.uuid4()), kind, to_json({} if payload is None else payload),
-                              attempt, wire_timeout, tuple(devices), None, batch)
+                              attempt, wire_timeout, tuple(devices), None, batch,
+                              resume_json=None if resume_from is None else to_json(resume_from))
                   for i, payload in enumerate(payloads)]
         pushed = self.protocol.receive(jobs_frame(frames))
         assert isinstance(pushed, Jobs)
@@ -336,6 +376,8 @@ class LocalAgent:
             if isinstance(msg, Release):
                 for job_id in msg.ids:
                     self._runs[job_id]._finish(None)
+            if isinstance(msg, Checkpoint):
+                self._store(msg)
             outcomes = msg.outcomes if isinstance(msg, Results) else ()
             for outcome in outcomes:
                 self._runs[outcome.id]._finish(outcome)
@@ -343,6 +385,29 @@ class LocalAgent:
                 refused = {o.id for o in outcomes if self._runs[o.id]._cancelled}
                 self.protocol.receive(encode(Ack(tuple(o.id for o in outcomes if o.id not in refused),
                                                  tuple(refused))))
+
+    def _store(self, sent: Checkpoint) -> None:
+        """The server's part: store each checkpoint, unless its job was cancelled (fencing)."""
+        stored = [c for c in sent.items if not self._runs[c.id]._cancelled]
+        for c in stored:
+            self._runs[c.id].stored_checkpoint = c.data
+        refused = tuple(c.seq for c in sent.items if self._runs[c.id]._cancelled)
+        self.protocol.receive(encode(Checkpointed(tuple(c.seq for c in stored), refused)))
+
+    def _checkpoint(self, job_id: int, lease_token: str, data_json: str) -> Receipt:
+        """``job.checkpoint()``, from the loop or a handler's thread: recorded, then as the agent does."""
+        self._runs[job_id]._checkpointed(json.loads(data_json))
+        receipt, ask = self.protocol.checkpoints.add(job_id, lease_token, data_json)
+        if ask:
+            self._runs[job_id]._loop.call_soon_threadsafe(self._send_checkpoints)
+        return receipt
+
+    def _send_checkpoints(self) -> None:
+        """As the agent's checkpoint sender: those due now, and a look again when the next is."""
+        next_in = self.protocol.checkpoints.due()
+        self._send()
+        if next_in is not None:
+            asyncio.get_running_loop().call_later(next_in, self._send_checkpoints)
 
     def _report_progress(self, job_id: int, item: str) -> None:
         """``job.progress()``, from the loop or a handler's thread: the update, encoded."""

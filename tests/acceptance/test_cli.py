@@ -365,6 +365,7 @@ def test_wait_progress_prints_the_stored_progress_on_stderr(dsn):
         c = await asyncpg.connect(dsn)
         [leased] = (await queue.lease(c, ["embed"], 1, "a#1", 30)).jobs
         await queue.record_progress(c, [ProgressUpdate(job_id, leased.lease_token, 0.5, "half", {"s": 1})])
+        await queue.record_checkpoints(c, [(job_id, leased.lease_token, '{"step": 5}')])
         await c.close()
 
     asyncio.run(report())
@@ -373,4 +374,6 @@ def test_wait_progress_prints_the_stored_progress_on_stderr(dsn):
     assert res.returncode == 1 and error == f"gpuq: error: job {job_id} did not end within 0.5 s"
     shown = json.loads(progress_line)
     assert (shown["fraction"], shown["message"], shown["data"], shown["attempt"]) == (0.5, "half", {"s": 1}, 1)
-    assert json.loads(gpuq("show", str(job_id), env=env).stdout)["progress"]["message"] == "half"
+    shown = json.loads(gpuq("show", str(job_id), env=env).stdout)
+    assert shown["progress"]["message"] == "half"
+    assert (shown["checkpoint"], shown["checkpoint_attempt"]) == ({"step": 5}, 1) and shown["checkpoint_at"]

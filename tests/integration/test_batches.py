@@ -14,6 +14,7 @@ from websockets.asyncio.server import serve
 
 from gpuq.agent import Agent, PermanentError
 from gpuq.harness import TOKEN
+from gpuq.protocol import PROTOCOL_VERSION
 from tests.helpers import wait_for
 
 
@@ -92,7 +93,7 @@ async def test_a_batch_of_3_runs_in_one_async_call_and_one_items_exception_fails
 
     peer = Peer([item(1, 1), item(2, 1), item(3, 1), item(4)])
     await run_against(peer, lambda: len(peer.outcomes) == 4, handler=embed, batch_handler=embed_many)
-    assert peer.hellos[0]["batch"] == 8 and peer.hellos[0]["protocol"] == 9
+    assert peer.hellos[0]["batch"] == 8 and peer.hellos[0]["protocol"] == PROTOCOL_VERSION
     assert calls == [[1, 2, 3]] and singles == [4]  # one batch call; the single job to the plain handler
     assert peer.results() == {1: {"v": 10}, 3: {"v": 30}, 4: {"single": 4}}
     assert peer.errors() == {2: ("ValueError: bad text", True)}

@@ -96,5 +96,5 @@ def _alive(pid: int) -> bool:
     try:  # a zombie (not yet reaped by its parent) counts as gone
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split()[2] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped between the two looks (ESRCH on the read)
         return False

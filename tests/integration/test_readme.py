@@ -116,6 +116,30 @@ async def test_the_preemption_example_yields_at_a_step_and_resumes_without_count
     assert (row["attempts"], row["preemptions"], row["result"]) == (1, 1, {"steps": 600}) and saved == [1]
 
 
+async def test_the_checkpoint_example_resumes_a_retried_job_from_its_last_checkpoint(dsn, pool):
+    [example] = [b for b in blocks("python") if "job.checkpoint(" in b]
+    steps_run: list[int] = []
+
+    async def run_step(step: int) -> None:
+        steps_run.append(step)
+        if step == 73 and steps_run.count(73) == 1:  # the first attempt fails past its checkpoint at 50
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    async def save_weights(step: int) -> str:
+        return f"s3://runs/42/{step}.pt"
+
+    namespace = {"run_step": run_step, "save_weights": save_weights}
+    await run_python(example, namespace)
+    async with running_server(dsn, sweep_seconds=0.05) as srv:  # the retry is promoted at once
+        await srv.agent(["train"], 1, namespace["train"])
+        job_id = await enqueue_many(pool, [NewJob("train", {"steps": 120})])
+        await wait_status(pool, job_id[0], "done", timeout=30)
+    shown = await admin.show(pool, job_id[0])
+    assert shown["result"] == {"steps": 120, "resumed_from": 50}
+    assert shown["attempts"] == 2 and steps_run.count(50) == 2 and steps_run.count(49) == 1  # one interval redone
+    assert shown["checkpoint"] == {"step": 100, "weights": "s3://runs/42/100.pt"}
+
+
 async def test_the_gpu_example_runs_a_two_gpu_job_on_its_two_devices(dsn, pool):
     [agent_code] = [b for b in blocks("python") if "Agent(" in b and "job.devices" in b and TESTING not in b]
     [producer] = [b for b in blocks("python") if "gpus=2" in b and "Agent(" not in b]

@@ -43,6 +43,11 @@ Progress: ``job.progress(0.4, "epoch 2/5", {"loss": 0.31})`` from any handler,
 sync or async, as often as it likes; the agent sends the latest of each job at
 most twice a second and the server stores it at most once a second
 (``gpuq show``, ``/jobs/ID``, ``gpuq.wait(..., on_progress=...)``).
+Checkpoints (protocol 9): ``job.checkpoint({"step": 500, "weights": uri})`` stores small JSON,
+fenced by the lease; an attempt that runs the job again gets it as ``job.resume_from``.
+``await`` the receipt it returns (``.wait()`` in a sync handler): True once stored. A job's
+checkpoints go out at most once per ``checkpoint_seconds`` (the latest; one waiting goes out
+before the outcome). ``run_process(..., job=job)`` lets a program do the same.
 Outcomes go to the server in ``results`` frames, as many as are ready at
 once; they are kept until the server acknowledges them (after its commit)
 and sent again after a reconnect; fencing makes a resent result harmless.

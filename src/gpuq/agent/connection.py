@@ -1,11 +1,12 @@
 """The connection loop: one websocket to the server, reconnected with backoff, pumping frames
 through ``AgentProtocol``; the reader hands pushed jobs to the slots (``async_slots``,
-``thread_slots``), the senders send outcomes, progress and heartbeats."""
+``thread_slots``), the senders send outcomes, progress, checkpoints and heartbeats."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import socket
 import ssl
 import time
@@ -25,6 +26,8 @@ from gpuq.agent.thread_slots import ThreadSlots
 from gpuq.loops import LoopBackoff, Outage, run_every
 from gpuq.protocol import Ack, Cancel, Error, Hello, Jobs, Preempt, ServerDrain, Welcome
 from gpuq.protocol.agent_side import AgentProtocol, ThreadSafeAgentProtocol
+from gpuq.protocol.checkpoints import DEFAULT_CHECKPOINT_SECONDS
+from gpuq.protocol.receipts import Receipt
 from gpuq.signals import stop_on_signal
 
 log = logs.get("agent")
@@ -72,6 +75,7 @@ class Agent:
         batch_handler: BatchHandler | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
         interruption_notice: float | None = None,
+        checkpoint_seconds: float = DEFAULT_CHECKPOINT_SECONDS,
     ):
         self.url, self.token = url, token
         self.kinds = tuple(kinds)
@@ -95,9 +99,11 @@ class Agent:
         self._running: anyio.CancelScope | None = None  # run()'s, while it runs
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._progress_due = asyncio.Event()  # a handler reported progress since the last send
+        self._checkpoint_due = asyncio.Event()  # a handler checkpointed since the last look
         hello = Hello(self.name, self.kinds, capacity, devices=self.devices, labels=tuple(labels),
                       models=tuple(models), prefetch=prefetch, batch=max_batch if batch_handler else 0)
-        self._slots = handler_slots(hello, handler, batch_handler, self._ready.set, self._report_progress)
+        self._slots = handler_slots(hello, handler, batch_handler, self._ready.set, self._report_progress,
+                                    checkpoint=self._checkpoint, checkpoint_seconds=checkpoint_seconds)
         self.protocol = self._slots.protocol
 
     @property
@@ -141,6 +147,7 @@ class Agent:
         server is unreachable the agent keeps trying with its reconnect backoff, never faster."""
         self.protocol.drain()
         self._ready.set()
+        self._checkpoint_due.set()  # those waiting for their interval go now
         self._reconnect_now.set()  # try to report now, not after the current backoff
         if deadline_seconds is not None:
             at = time.monotonic() + deadline_seconds
@@ -244,6 +251,7 @@ class Agent:
                     tg.start_soon(self._sender, ws)
                     tg.start_soon(self._heartbeats, welcome.heartbeat_seconds)
                     tg.start_soon(self._progress_sender)
+                    tg.start_soon(self._checkpoint_sender)
                     await self._reader(ws, tg)
                     tg.cancel_scope.cancel()
             except BaseExceptionGroup as group:
@@ -319,6 +327,25 @@ class Agent:
             self._ready.set()
             await anyio.sleep(PROGRESS_SEND_SECONDS)
 
+    def _checkpoint(self, job_id: int, lease_token: str, data_json: str) -> Receipt:
+        """``job.checkpoint()``, from the loop or a handler's thread: keep it; wake the sender once."""
+        receipt, ask = self.protocol.checkpoints.add(job_id, lease_token, data_json)
+        if ask and (loop := self._slots.loop) is not None:
+            try:
+                loop.call_soon_threadsafe(self._checkpoint_due.set)
+            except RuntimeError:  # the loop has closed: the agent is gone, and so is the job
+                pass
+        return receipt
+
+    async def _checkpoint_sender(self) -> None:
+        """Send each job's checkpoint when its interval lapses (the protocol says when that is)."""
+        while True:
+            self._checkpoint_due.clear()
+            next_in = self.protocol.checkpoints.due()
+            self._ready.set()
+            with anyio.move_on_after(math.inf if next_in is None else next_in):
+                await self._checkpoint_due.wait()
+
     async def _heartbeats(self, every: float) -> None:
         while True:
             await anyio.sleep(every)
@@ -349,16 +376,22 @@ class _Nudge:
 
 
 def handler_slots(hello: Hello, handler: Handler | None, batch_handler: BatchHandler | None,
-                  wake: Callable[[], None], report_progress: Callable[[int, str], None]) -> Slots:
+                  wake: Callable[[], None], report_progress: Callable[[int, str], None], *,
+                  checkpoint: Callable[[int, str, str], Receipt] | None = None,
+                  checkpoint_seconds: float = DEFAULT_CHECKPOINT_SECONDS) -> Slots:
     """The slots that run these handlers, with the protocol they record outcomes in
     (``slots.protocol``, checking ``hello``): async handlers run in asyncio tasks, sync ones in
     worker threads, which call the protocol from there (so it locks). ``wake``: frames to send;
-    ``report_progress``: where ``job.progress()`` goes. ``ValueError`` for neither handler, or one
-    of each kind. ``Agent`` and ``gpuq.testing`` both run handlers in these."""
+    ``report_progress``: where ``job.progress()`` goes; ``checkpoint``: where ``job.checkpoint()``
+    goes (None: nowhere), each job's at most once per ``checkpoint_seconds``. ``ValueError`` for
+    neither handler, or one of each kind, or a negative interval. ``Agent`` and ``gpuq.testing``
+    both run handlers in these."""
     is_async = _all_async(handler, batch_handler)
     protocol_class = AgentProtocol if is_async else ThreadSafeAgentProtocol
     slots_class = AsyncSlots if is_async else ThreadSlots
-    return slots_class(protocol_class(hello), handler, wake, report_progress, batch_handler)
+    agent_protocol = protocol_class(hello)
+    agent_protocol.checkpoints.interval = checkpoint_seconds
+    return slots_class(agent_protocol, handler, wake, report_progress, batch_handler, checkpoint)
 
 
 def _is_async(f: object) -> bool:

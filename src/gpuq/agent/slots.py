@@ -14,6 +14,7 @@ from gpuq.agent.batches import BatchHandler, batch_jobs
 from gpuq.agent.handlers import CANCELLED_ERROR, Handler, Job
 from gpuq.protocol.agent_side import AgentProtocol
 from gpuq.protocol.batches import Batch, Unit
+from gpuq.protocol.receipts import Receipt
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -25,12 +26,14 @@ class Slots(abc.ABC):
     a single job to ``handler``, or, when there is none, to ``batch_handler`` as a batch of one."""
 
     def __init__(self, agent_protocol: AgentProtocol, handler: Handler | None, wake: Callable[[], None],
-                 report_progress: Callable[[int, str], None], batch_handler: BatchHandler | None = None):
+                 report_progress: Callable[[int, str], None], batch_handler: BatchHandler | None = None,
+                 checkpoint: Callable[[int, str, str], Receipt] | None = None):
         self.protocol = agent_protocol
         self.handler = handler
         self.batch_handler = batch_handler
         self._wake = wake
         self._report_progress = report_progress
+        self._checkpoint = checkpoint  # where job.checkpoint() goes (None: it is never stored)
         self._session_tasks: TaskGroup | None = None  # the connection's: jobs run in it
         self.loop: asyncio.AbstractEventLoop | None = None  # the agent's, once a job came
 
@@ -49,6 +52,8 @@ class Slots(abc.ABC):
         self.loop = asyncio.get_running_loop()
         for job in jobs:
             protocol.attach_reporter(job, self._report_progress)
+            if self._checkpoint is not None:
+                protocol.attach_checkpointer(job, self._checkpoint)
         await self.run_slots(self.protocol.take(jobs))
 
     async def run_slots(self, jobs: list[Unit]) -> None:

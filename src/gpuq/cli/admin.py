@@ -63,6 +63,8 @@ def _register_retry(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     r.add_argument("--until", type=timestamp, help="only jobs that ended before this time (ISO 8601)")
     r.add_argument("--state", choices=("dead", "cancelled"), help="only dead or only cancelled jobs (default: both)")
     r.add_argument("--key", help="only jobs with this concurrency key")
+    r.add_argument("--fresh", action="store_true",
+                   help="drop their checkpoints: they start over (default: the next attempt resumes from each one's)")
     r.add_argument("--dry-run", action="store_true", help="print how many would go, change nothing")
     config.add_flags(r, "retry")
     r.set_defaults(func=cmd_retry)
@@ -170,11 +172,11 @@ def cmd_retry(args: argparse.Namespace) -> int:
                               until=args.until, state=args.state, key=args.key)
     which.args()  # no criterion at all is an error, before connecting
 
-    n = on_db(args, lambda conn: (admin.retry_count if args.dry_run else admin.retry)(conn, which))
+    n = on_db(args, lambda conn: admin.retry_count(conn, which) if args.dry_run else admin.retry(conn, which, args.fresh))
     if args.dry_run:
         print(f"{n} dead or cancelled job(s) would go back to pending (dry run: nothing changed)")
         return 0
     admin_event("retry", jobs=n, ids=args.ids or None, kind=args.kind, error=args.error, state=args.state,
-                key=args.key, since=args.since and args.since.isoformat(), until=args.until and args.until.isoformat())
+                key=args.key, fresh=args.fresh, since=args.since and args.since.isoformat(), until=args.until and args.until.isoformat())
     print(f"{n} dead or cancelled job(s) sent back to pending")
     return 0

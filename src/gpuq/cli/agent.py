@@ -49,7 +49,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
                       drain_seconds=config.get("agent_drain_seconds", flag=args.agent_drain_seconds),
                       interruption_notice=config.get("interruption_notice", flag=args.interruption_notice),
                       batch_handler=batch_handler,
-                      max_batch=config.get("agent_max_batch", flag=args.agent_max_batch))
+                      max_batch=config.get("agent_max_batch", flag=args.agent_max_batch),
+                      checkpoint_seconds=config.get("checkpoint_seconds", flag=args.checkpoint_seconds))
     except ProtocolError as exc:
         raise CLIError(exc.message) from None
     except ValueError as exc:  # handler and batch handler of different kinds (async, sync)

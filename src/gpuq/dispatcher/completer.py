@@ -7,7 +7,10 @@ variants also charge each attempt's GPU-seconds to its tenant, in the same
 statement; off, nothing more is written. Jobs that yielded to a preempt
 (``Preempted``, protocol 9) go back to pending, fenced the same way, in the
 same flush (``preempted_many``). Jobs given back unstarted (``release_unstarted``) and leases
-no agent will run (``release``) go back to pending in the same flush. A batch
+no agent will run (``release``) go back to pending in the same flush. Checkpoints
+(protocol 9) are written first in each flush, fenced like outcomes, and answered
+(``checkpointed``) after their commit: a job's checkpoint, which its agent sends
+before its outcome (or release), is thus always written before that ends the lease. A batch
 the database refuses (a value jsonb cannot take) is written one by one, so one
 bad outcome cannot block the others.
 """
@@ -26,7 +29,8 @@ from gpuq.dispatcher.spans import ServerSpans
 from gpuq.dispatcher.writer import Writer
 from gpuq.jobs import FailOutcome, JobBackoff
 from gpuq.latency import JobLatency
-from gpuq.protocol import Done, Failed, Outcome, Preempted
+from gpuq.protocol import CheckpointItem, Done, Failed, Outcome, Preempted
+from gpuq.protocol.fields import to_json
 
 log = logs.get("completer")
 
@@ -37,6 +41,8 @@ class Session(Protocol):
     id: str
 
     def send_ack(self, accepted: tuple[int, ...], rejected: tuple[int, ...]) -> None: ...
+
+    def send_checkpointed(self, stored: tuple[int, ...], refused: tuple[int, ...]) -> None: ...
 
 
 class Completer(Writer):
@@ -66,6 +72,7 @@ class Completer(Writer):
         self.preempted: list[tuple[Session, Preempted, str]] = []
         self.orphans: list[int] = []  # leased for an agent that left before the push
         self.unstarted: list[tuple[Session, tuple[tuple[int, str], ...]]] = []  # given back, (id, token)
+        self.checkpoints: list[tuple[Session, CheckpointItem]] = []  # in the order they came
         self._lock = anyio.Lock()
 
     def submit(self, session: Session, outcomes: Iterable[tuple[Outcome, str]]) -> None:
@@ -77,6 +84,11 @@ class Completer(Writer):
                 self.failed.append((session, msg, kind))
             else:
                 self.preempted.append((session, msg, kind))
+        self.wake()
+
+    def submit_checkpoints(self, session: Session, items: Iterable[CheckpointItem]) -> None:
+        """Queue checkpoints of jobs ``session`` holds; answered after the commit."""
+        self.checkpoints.extend((session, item) for item in items)
         self.wake()
 
     def release(self, ids: Iterable[int]) -> None:
@@ -95,7 +107,7 @@ class Completer(Writer):
 
     async def flush(self) -> None:
         async with self._lock:
-            while self.done or self.failed or self.orphans or self.unstarted or self.preempted:
+            while self.done or self.failed or self.orphans or self.unstarted or self.preempted or self.checkpoints:
                 try:
                     await self._flush_once()
                 except asyncpg.DataError as exc:
@@ -134,13 +146,23 @@ class Completer(Writer):
             session.send_ack((), (msg.id,))
 
     async def _flush_once(self) -> None:
-        if given := self.unstarted[:100]:  # its own commit: done and failed are retried without it
+        # All taken at once, before any write, and the checkpoints written first: a job's
+        # checkpoint came before its outcome or release, so it is written while the lease holds.
+        checkpoints, self.checkpoints = self.checkpoints, []
+        given, yielded = self.unstarted[:100], self.preempted[:1000]
+        done, failed, orphans = self.done[:1000], self.failed[:1000], self.orphans[:1000]
+        if checkpoints:
+            try:
+                await self._write_checkpoints(checkpoints)
+            except BaseException:
+                self.checkpoints[:0] = checkpoints  # kept, first, for the next try
+                raise
+        if given:  # its own commit: done and failed are retried without it
             await self._release_unstarted(given)
             del self.unstarted[:len(given)]
-        if yielded := self.preempted[:1000]:  # its own commit too
+        if yielded:  # its own commit too, after the checkpoints (a yield ends the lease)
             await self._write_preempted(yielded)
             del self.preempted[:len(yielded)]
-        done, failed, orphans = self.done[:1000], self.failed[:1000], self.orphans[:1000]
         started = self.spans.write_started() if self.spans is not None else 0
         accepted: set[int] = set()
         outcomes: dict[int, FailOutcome] = {}
@@ -197,6 +219,27 @@ class Completer(Writer):
                 log.warning("job.rejected", agent=session.id, job_ids=bad_ids, reason="stale lease token")
                 metrics.RESULTS_REJECTED.inc(len(bad_ids))
             session.send_ack(tuple(ok_ids), tuple(bad_ids))
+
+    async def _write_checkpoints(self, checkpoints: list[tuple[Session, CheckpointItem]]) -> None:
+        """Store each job's latest checkpoint (an earlier one of the same job in the batch is
+        answered as the latest is: it was replaced), then answer each agent."""
+        latest = {item.id: item for _, item in checkpoints}  # the last of each job wins
+        try:
+            stored = await queue.record_checkpoints(self.pool, [(c.id, c.lease_token, to_json(c.data))
+                                                                for c in latest.values()])
+        except asyncpg.DataError as exc:  # never: the parser checked the data as the agent did
+            log.error("checkpoint.refused", job_ids=sorted(latest), error=str(exc))
+            stored = set()
+        answers: dict[Session, tuple[list[int], list[int]]] = {}
+        for session, item in checkpoints:
+            ok = item.id in stored and latest[item.id].lease_token == item.lease_token
+            answers.setdefault(session, ([], []))[0 if ok else 1].append(item.seq)
+        for session, (ok_seqs, bad_seqs) in answers.items():
+            session.send_checkpointed(tuple(ok_seqs), tuple(bad_seqs))
+        metrics.CHECKPOINTS_WRITTEN.inc(len(stored))
+        if refused := [i for i in latest if i not in stored]:
+            log.warning("checkpoint.rejected", job_ids=refused, count=len(refused),
+                        reason="stale lease token (the lease was reclaimed or the job finished)")
 
     async def _release_unstarted(self, given: list[tuple[Session, tuple[tuple[int, str], ...]]]) -> None:
         moved = await queue.release_unstarted(self.pool, [job for _, jobs in given for job in jobs])

@@ -33,7 +33,7 @@ from gpuq.dispatcher.tuning import TUNING_DEFAULT, Tuning
 from gpuq.jobs import JobBackoff, LeasedJob
 from gpuq.latency import JobLatency
 from gpuq.loops import Outage, run_every
-from gpuq.protocol import Outcome, ProgressUpdate
+from gpuq.protocol import CheckpointItem, Outcome, ProgressUpdate
 
 log = logs.get("dispatcher")
 
@@ -125,6 +125,10 @@ class Dispatcher:
     def released(self, session: AgentSession, jobs: tuple[tuple[int, str], ...]) -> None:
         """Prefetched jobs the agent will not start (the protocol dropped them): pending again."""
         self.completer.release_unstarted(session, jobs)
+
+    def checkpoint(self, session: AgentSession, items: Iterable[CheckpointItem]) -> None:
+        """Checkpoints of jobs the connection holds: written, before any later outcome, by the completer."""
+        self.completer.submit_checkpoints(session, items)
 
     def report_progress(self, updates: Iterable[ProgressUpdate]) -> None:
         """Progress of jobs the reporting connection holds: written within ``Tuning.progress_write_seconds``."""

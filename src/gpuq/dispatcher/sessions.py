@@ -93,6 +93,10 @@ class AgentSession:
         self.protocol.send_ack(accepted, rejected)
         self.flush()
 
+    def send_checkpointed(self, stored: tuple[int, ...], refused: tuple[int, ...]) -> None:
+        self.protocol.send_checkpointed(stored, refused)
+        self.flush()
+
 
 class Sessions:
     """The agents connected to this server, by session id."""

@@ -20,6 +20,12 @@ I/O layer (``gpuq.agent``) feeds frames to ``receive()`` and sends what
   thread, until ``send_progress()`` (the I/O layer calls it at most twice a
   second); a job's outcome drops its unsent update, and updates are not kept
   across a reconnect (the new connection does not hold those jobs);
+- checkpoints (version 9): ``checkpoints`` (a ``CheckpointQueue``: its
+  rules) keeps each running job's latest, from any thread, and makes those
+  whose interval lapsed ready (``checkpoints.due()``); ``frames_to_send``
+  sends them before anything else, so a job's outcome (or any message that
+  ends its attempt), which makes its waiting one ready, follows it; ``checkpointed`` resolves the receipts, and a lost
+  connection resolves the rest False;
 - ``update()`` changes labels or warm models: sent at once when connected,
   and the next ``hello`` carries them, so a reconnect never loses them;
 - slots (version 5, ``hello.prefetch``): at most ``capacity`` jobs without
@@ -61,13 +67,22 @@ from enum import Enum
 from typing import Any
 
 from gpuq.protocol.batches import Batch, Unit, check_batches, job_ids, units
-from gpuq.protocol.codes import BATCH_SINCE, PREFETCH_SINCE, SLOTS_SINCE, ErrorCode, ProtocolError
+from gpuq.protocol.checkpoints import DEFAULT_CHECKPOINT_SECONDS, CheckpointQueue
+from gpuq.protocol.codes import (
+    BATCH_SINCE,
+    CHECKPOINT_SINCE,
+    PREFETCH_SINCE,
+    SLOTS_SINCE,
+    ErrorCode,
+    ProtocolError,
+)
 from gpuq.protocol.describe import DeviceUsage
 from gpuq.protocol.fields import contains_nul
 from gpuq.protocol.frames import RESULTS_OVERHEAD, encode, encode_done, pack_progress, pack_results
 from gpuq.protocol.messages import (
     Ack,
     Cancel,
+    Checkpointed,
     Drain,
     Failed,
     Heartbeat,
@@ -112,6 +127,7 @@ class AgentProtocol:
         self._progress: dict[int, str] = {}
         self._progress_asked = False  # progress() has asked for a send_progress() not yet done
         self._progress_lock = threading.Lock()
+        self.checkpoints = CheckpointQueue(DEFAULT_CHECKPOINT_SECONDS, clock)  # version 9; any thread may add
         self.ready: deque[Unit] = deque()  # pushed jobs (and batches) without devices waiting for a slot
         self.ready_gpu: list[Unit] = []  # pushed jobs (and batches) waiting for their devices, in push order
         self._slots_busy = 0  # jobs without devices running now (at most capacity)
@@ -138,6 +154,7 @@ class AgentProtocol:
         for unit in self.waiting:
             for job_id in job_ids(unit):
                 self.running.pop(job_id, None)
+        self.checkpoints.lost(job.lease_token for job in self.running.values())
         self.ready.clear()
         self.ready_gpu = []
         self._slots_busy = 0
@@ -155,6 +172,7 @@ class AgentProtocol:
             self.state, self.max_frame, self.agent_id = State.OPEN, msg.max_payload, msg.agent_id
             self._speaks_started = msg.protocol >= PREFETCH_SINCE
             self._max_batch = self.hello.batch if msg.protocol >= BATCH_SINCE else 0
+            self.checkpoints.enabled = msg.protocol >= CHECKPOINT_SINCE
             self.slots = None
             if msg.protocol >= SLOTS_SINCE:
                 self.slots = SlotClock(self.hello.capacity, (d.index for d in self.hello.devices), self.clock())
@@ -176,6 +194,8 @@ class AgentProtocol:
             for i in (*msg.accepted, *msg.rejected):
                 self.unacked.pop(i, None)
             self.completed += len(msg.accepted)
+        elif isinstance(msg, Checkpointed):
+            self.checkpoints.answered(msg.stored, msg.refused)
         elif isinstance(msg, Cancel):
             running = [self.running[i] for i in msg.ids if i in self.running]
             for job in running:
@@ -318,6 +338,7 @@ class AgentProtocol:
     def _finish(self, job: JobMessage, item: str) -> None:
         self.running.pop(job.id, None)
         self._progress.pop(job.id, None)  # the outcome says more
+        self.checkpoints.finish(job.id, job.lease_token)  # its waiting one goes out before the outcome
         self.unacked[job.id] = item
         self._outcomes.append(item)
 
@@ -366,8 +387,8 @@ class AgentProtocol:
             self._control.append(encode(checked))
 
     def drain(self) -> None:
-        """Ask for no more jobs: the agent is finishing and leaving; the ready jobs go back."""
-        self.draining = True
+        """Ask for no more jobs: the agent is leaving; the ready jobs go back, checkpoints at once."""
+        self.draining, self.checkpoints.interval = True, 0.0
         if self.state is State.OPEN:
             self._control.append(encode(Drain()))
             self._give_back(self.waiting)
@@ -390,7 +411,8 @@ class AgentProtocol:
         if self.state is not State.OPEN:
             out, self._control = self._control, []  # the hello, nothing else before the welcome
             return out
-        out = self._control + pack_results(self._outcomes, self.max_frame, tuple(self._started))
+        out = self.checkpoints.frames(self.max_frame) + self._control  # first: before a job's end
+        out += pack_results(self._outcomes, self.max_frame, tuple(self._started))
         self._control, self._outcomes, self._started = [], [], []
         return out
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import IntEnum, StrEnum
 
-__all__ = ["BATCH_SINCE", "MAX_PREEMPT_SECONDS", "PREEMPT_SINCE", "MAX_TRACESTATE", "TRACE_SINCE", "CANCEL_SINCE", "MAX_BATCH_ITEMS", "MAX_CAPACITY", "MAX_CANCEL_IDS", "MAX_ERROR_TEXT", "MAX_HEARTBEAT_IDS", "MAX_JOB_ID",
+__all__ = ["BATCH_SINCE", "CHECKPOINT_SINCE", "MAX_CHECKPOINT_DATA", "MAX_PREEMPT_SECONDS", "PREEMPT_SINCE", "MAX_TRACESTATE", "TRACE_SINCE", "CANCEL_SINCE", "MAX_BATCH_ITEMS", "MAX_CAPACITY", "MAX_CANCEL_IDS", "MAX_ERROR_TEXT", "MAX_HEARTBEAT_IDS", "MAX_JOB_ID",
            "MAX_KINDS", "MAX_PROGRESS_DATA", "MAX_PROGRESS_MESSAGE", "MAX_RESULTS", "PLACEMENT_SINCE", "PREFETCH_SINCE", "MAX_PREFETCH", "PROGRESS_SINCE",
            "PROTOCOL_VERSION", "SLOTS_SINCE", "SUPPORTED_VERSIONS", "CloseCode", "ErrorCode", "ProtocolError"]
 
@@ -23,6 +23,9 @@ MAX_BATCH_ITEMS = 4096
 # ``traceparent`` and ``tracestate`` in pushed jobs: the producer's trace (W3C), when the job has one
 TRACE_SINCE = 8
 MAX_TRACESTATE = 512  # characters (W3C's limit; the jobs table's CHECK)
+# ``checkpoint`` (agent) and ``checkpointed`` (server); ``resume_from`` in pushed jobs
+CHECKPOINT_SINCE = 9
+MAX_CHECKPOINT_DATA = 8192  # bytes of a checkpoint's data as JSON: more is refused
 # ``preempt`` (server -> agent: yield these jobs by a deadline) and ``preempted`` outcomes (agent -> server);
 # only an agent of this version is given preemptible jobs
 PREEMPT_SINCE = 9

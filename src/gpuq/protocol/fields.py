@@ -17,6 +17,7 @@ import uuid
 from typing import Any
 
 from gpuq.protocol.codes import (
+    MAX_CHECKPOINT_DATA,
     MAX_HEARTBEAT_IDS,
     MAX_JOB_ID,
     MAX_PROGRESS_DATA,
@@ -26,7 +27,7 @@ from gpuq.protocol.codes import (
     ProtocolError,
 )
 
-__all__ = ["contains_nul", "progress_item"]  # what the package exports; the rest is its modules' own
+__all__ = ["checkpoint_data", "checkpoint_item", "contains_nul", "progress_item"]  # what the package exports; the rest is its modules' own
 
 BAD_MESSAGE = ErrorCode.BAD_MESSAGE
 
@@ -185,3 +186,30 @@ def progress_item(job_id: int, lease_token: str, fraction: float, message: str |
     text = "null" if message is None else to_json(message)
     return (f'{{"id":{job_id:d},"lease_token":"{lease_token}","fraction":{fraction!r},"message":{text},'
             f'"data":{data_json}}}')
+
+
+# -- checkpoints -------------------------------------------------------------
+
+
+def checkpoint_data(data: Any) -> str:
+    """A checkpoint's data as compact JSON: any JSON value but null (a job without a checkpoint
+    resumes from None), at most ``MAX_CHECKPOINT_DATA`` bytes, without U+0000; else ``ValueError``
+    saying what is wrong."""
+    if data is None:
+        raise ValueError("checkpoint data must not be None: a job without a checkpoint resumes from None")
+    try:
+        data_json = to_json(data)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"checkpoint data is not JSON-serializable: {exc}") from None
+    if len(data_json.encode()) > MAX_CHECKPOINT_DATA:
+        raise ValueError(f"checkpoint data of {len(data_json.encode())} bytes as JSON is over the limit of "
+                         f"{MAX_CHECKPOINT_DATA}")
+    if "\\u0000" in data_json and contains_nul(data):
+        raise ValueError("checkpoint data must not contain the character U+0000 (jsonb cannot store it)")
+    return data_json
+
+
+def checkpoint_item(job_id: int, lease_token: str, seq: int, data_json: str) -> str:
+    """One checkpoint of a ``checkpoint`` message, as JSON, around data checked by
+    ``checkpoint_data``; ``lease_token`` is spliced (a canonical UUID, as the server pushed it)."""
+    return f'{{"id":{job_id:d},"lease_token":"{lease_token}","seq":{seq:d},"data":{data_json}}}'

@@ -15,13 +15,15 @@ from typing import Any
 from gpuq.protocol import messages as m
 from gpuq.protocol.codes import BATCH_SINCE, MAX_RESULTS, PLACEMENT_SINCE, PREFETCH_SINCE
 from gpuq.protocol.describe import device_json, usage_json
-from gpuq.protocol.fields import progress_item, to_json
+from gpuq.protocol.fields import checkpoint_item, progress_item, to_json
 from gpuq.protocol.slots import slots_json
 
-__all__ = ["RESULTS_OVERHEAD", "encode", "encode_done", "job_message", "jobs_frame", "pack_progress", "pack_results"]
+__all__ = ["RESULTS_OVERHEAD", "encode", "encode_done", "job_message", "jobs_frame", "pack_checkpoints", "pack_progress",
+           "pack_results"]
 
 _RESULTS_HEAD, _RESULTS_TAIL = '{"type":"results","results":[', "]}"
 _PROGRESS_HEAD = '{"type":"progress","updates":['
+_CHECKPOINT_HEAD = '{"type":"checkpoint","checkpoints":['
 RESULTS_OVERHEAD = len(_RESULTS_HEAD) + len(_RESULTS_TAIL)  # bytes a one-item frame adds to its item
 
 
@@ -69,6 +71,11 @@ def encode(msg: m.ServerMessage | m.ClientMessage) -> str:
     elif isinstance(msg, m.Progress):
         return pack_progress([progress_item(u.id, u.lease_token, u.fraction, u.message, u.data)
                               for u in msg.updates], 1 << 62)[0]
+    elif isinstance(msg, m.Checkpoint):
+        return pack_checkpoints([checkpoint_item(c.id, c.lease_token, c.seq, to_json(c.data)) for c in msg.items],
+                                1 << 62)[0]
+    elif isinstance(msg, m.Checkpointed):
+        body = {"type": "checkpointed", "stored": list(msg.stored), "refused": list(msg.refused)}
     else:  # pragma: no cover - a programming error (or ``Jobs``), not input
         raise TypeError(f"not a protocol message encode() writes: {msg!r}")
     return to_json(body)
@@ -112,6 +119,11 @@ def pack_progress(items: list[str], max_size: int) -> list[str]:
     return _pack(_PROGRESS_HEAD, items, max_size)
 
 
+def pack_checkpoints(items: list[str], max_size: int) -> list[str]:
+    """Frames of ``checkpoint`` from encoded checkpoints (``checkpoint_item``), each within ``max_size``."""
+    return _pack(_CHECKPOINT_HEAD, items, max_size)
+
+
 def _pack(head: str, items: list[str], max_size: int, first_head: str | None = None) -> list[str]:
     """``head`` (``first_head`` for the first frame) + comma-joined items + ``]}``, in as few frames
     of at most ``MAX_RESULTS`` items as fit."""
@@ -137,13 +149,14 @@ def jobs_frame(messages: list[str]) -> str:
 def job_message(job_id: int, lease_token: str, kind: str, payload_json: str, attempt: int,
                 timeout: int | None = None, devices: tuple[int, ...] = (), queued_ms: int | None = None,
                 batch: int | None = None, trace: tuple[str, str | None] | None = None,
-                grace_seconds: float | None = None) -> str:
+                resume_json: str | None = None, grace_seconds: float | None = None) -> str:
     """One pushed job, as JSON, around a payload that is JSON text already (from PostgreSQL).
 
     Spliced, not encoded: the lease token is PostgreSQL's uuid text and the
     kind matches the table's CHECK (``gpuq.kinds``: letters, digits, ``_.:/-``), so
     neither needs escaping; so does a ``traceparent`` (the table's CHECK: hex and
     dashes) of ``trace``, the producer's; its ``tracestate`` is encoded.
+    ``resume_json``, the job's checkpoint (protocol 9), is JSON text from PostgreSQL, like the payload.
     Spliced here rather than built by the lease statement (json_build_object):
     see docs/design.md, "The push".
     """
@@ -158,6 +171,8 @@ def job_message(job_id: int, lease_token: str, kind: str, payload_json: str, att
         limit += f',"traceparent":"{trace[0]}"'
         if trace[1] is not None:
             limit += ',"tracestate":' + to_json(trace[1])
+    if resume_json is not None:
+        limit += ',"resume_from":' + resume_json
     if grace_seconds is not None:  # protocol 9: a preemptible job
         limit += f',"grace_seconds":{float(grace_seconds)!r}'
     return (f'{{"id":{job_id:d},"lease_token":"{lease_token}","kind":"{kind}","payload":{payload_json},'

@@ -4,7 +4,7 @@ One frozen dataclass per message of docs/protocol.md; ``ClientMessage`` is
 what an agent sends, ``ServerMessage`` what the server sends. ``parse``
 builds them from frames (strictly), ``frames`` encodes them. A pushed job
 (``JobMessage``) is also what a handler gets: it carries the two fields that
-change while it runs (``cancelled``, and where ``progress()`` reports).
+change while it runs (``cancelled``, and where ``progress()`` and ``checkpoint()`` report).
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ from typing import Any
 
 from gpuq.protocol.codes import PROTOCOL_VERSION
 from gpuq.protocol.describe import Device, DeviceUsage
-from gpuq.protocol.fields import progress_item
+from gpuq.protocol.fields import checkpoint_data, progress_item
+from gpuq.protocol.receipts import Receipt
 from gpuq.protocol.slots import SlotReport
 
-__all__ = ["Ack", "Cancel", "ClientMessage", "Done", "Drain", "Error", "Failed", "Heartbeat", "Hello", "JobMessage",
-           "Jobs", "Outcome", "Preempt", "Preempted", "Progress", "ProgressUpdate", "Release", "Results", "ServerDrain",
-           "ServerMessage", "Started", "Update", "Welcome", "attach_reporter", "mark_cancelled", "mark_preempted",
-           "on_preempt"]
+__all__ = ["Ack", "Cancel", "Checkpoint", "CheckpointItem", "Checkpointed", "ClientMessage", "Done", "Drain", "Error",
+           "Failed", "Heartbeat", "Hello", "JobMessage", "Jobs", "Outcome", "Preempt", "Preempted", "Progress",
+           "ProgressUpdate", "Release", "Results", "ServerDrain", "ServerMessage", "Started", "Update", "Welcome",
+           "attach_checkpointer", "attach_reporter", "mark_cancelled", "mark_preempted", "on_preempt"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +138,24 @@ class Progress:
     updates: tuple[ProgressUpdate, ...]
 
 
-ClientMessage = Hello | Done | Failed | Preempted | Results | Heartbeat | Drain | Progress | Update | Started | Release
+@dataclass(frozen=True, slots=True)
+class CheckpointItem(_LeasedJob):
+    """One job's checkpoint: ``seq``, the agent's number for it (the server's answer names it),
+    and ``data``, any JSON but null."""
+
+    seq: int
+    data: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """From the agent (protocol 9): running jobs' checkpoints, each to store fenced by its lease."""
+
+    items: tuple[CheckpointItem, ...]
+
+
+ClientMessage = (Hello | Done | Failed | Preempted | Results | Heartbeat | Drain | Progress | Update | Started
+                 | Release | Checkpoint)
 
 
 # --------------------------------------------------------------------------
@@ -178,6 +196,8 @@ class JobMessage:
     # Protocol 8: the producer's trace, (traceparent, tracestate or None), when it had one: the
     # handler's span continues it.
     trace: tuple[str, str | None] | None = None
+    # Protocol 9: the job's last stored checkpoint (an earlier attempt's ``checkpoint()``), or None.
+    resume_from: Any = None
     grace_seconds: float | None = None  # protocol 9: a preemptible job's time to yield once asked (None: not preemptible)
     cancelled: bool = field(default=False, compare=False)
     preempted: bool = field(default=False, compare=False)  # protocol 9: asked to yield (checkpoint, stop)
@@ -186,6 +206,8 @@ class JobMessage:
     on_preempted: list[Callable[[], None]] | None = field(default=None, compare=False, repr=False)
     # Where progress() sends an encoded update (the agent sets it); None: nowhere.
     reporter: Callable[[int, str], None] | None = field(default=None, compare=False, repr=False)
+    # Where checkpoint() sends (id, lease token, data as JSON) for a receipt (the agent sets it).
+    checkpointer: Callable[[int, str, str], Receipt] | None = field(default=None, compare=False, repr=False)
 
     def progress(self, fraction: float, message: str | None = None, data: Any = None) -> None:
         """Report how far this job has got: ``fraction`` from 0 to 1, an optional message (cut to
@@ -195,6 +217,20 @@ class JobMessage:
         item = progress_item(self.id, self.lease_token, fraction, message, data)
         if self.reporter is not None:
             self.reporter(self.id, item)
+
+    def checkpoint(self, data: Any) -> Receipt:
+        """Store ``data`` (any JSON but None, up to 8 KiB: a step, the URI of weights the handler
+        saved) as this job's checkpoint: an attempt that runs it again (a retry, a lost lease)
+        gets it as ``job.resume_from``. Stored fenced by the lease, like an outcome; the agent
+        sends a job's first at once and then at most one per ``checkpoint_seconds`` (the latest;
+        one still waiting goes out before the job's outcome). Call it from any thread. The
+        receipt says whether it was stored: ``await job.checkpoint(data)`` (async handlers) or
+        ``job.checkpoint(data).wait()`` (sync ones) gives True, or False when it was refused (the
+        lease was lost) or could not be sent. ``ValueError`` for bad data."""
+        data_json = checkpoint_data(data)
+        if self.checkpointer is None:
+            return Receipt.resolved(False)
+        return self.checkpointer(self.id, self.lease_token, data_json)
 
 
 def mark_cancelled(job: JobMessage) -> None:
@@ -226,6 +262,11 @@ def on_preempt(job: JobMessage, callback: Callable[[], None]) -> None:
 def attach_reporter(job: JobMessage, reporter: Callable[[int, str], None]) -> None:
     """Where ``job.progress()`` sends its updates (the agent's side of the connection)."""
     object.__setattr__(job, "reporter", reporter)
+
+
+def attach_checkpointer(job: JobMessage, checkpointer: Callable[[int, str, str], Receipt]) -> None:
+    """Where ``job.checkpoint()`` sends its checkpoints (the agent's side of the connection)."""
+    object.__setattr__(job, "checkpointer", checkpointer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,6 +303,15 @@ class Cancel(_JobIds):
 
 
 @dataclass(frozen=True, slots=True)
+class Checkpointed:
+    """From the server (protocol 9): checkpoints (by the agent's ``seq``) committed, and those
+    refused (fencing: the job is not held with that lease token any more)."""
+
+    stored: tuple[int, ...]
+    refused: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Preempt:
     """From the server (protocol 9): yield these running jobs of yours; the agent stops those still
     running ``deadline_seconds`` from now and reports them ``preempted``."""
@@ -270,4 +320,5 @@ class Preempt:
     deadline_seconds: float
 
 
-ServerMessage = Welcome | Jobs | Ack | ServerDrain | Error | Cancel | Preempt
+ServerMessage = Welcome | Jobs | Ack | ServerDrain | Error | Cancel | Checkpointed | Preempt
+

@@ -22,6 +22,7 @@ from gpuq.protocol.codes import (
     MAX_CANCEL_IDS,
     MAX_CAPACITY,
     MAX_ERROR_TEXT,
+    MAX_JOB_ID,
     MAX_KINDS,
     MAX_PREEMPT_SECONDS,
     MAX_PREFETCH,
@@ -38,6 +39,7 @@ from gpuq.protocol.fields import (
     BAD_MESSAGE,
     batch_number,
     check_progress,
+    checkpoint_data,
     contains_nul,
     device_indices,
     exact_fields,
@@ -108,6 +110,11 @@ def parse_client(frame: str | bytes, max_size: int) -> m.ClientMessage:
         if not isinstance(updates, list) or not 1 <= len(updates) <= MAX_RESULTS:
             raise ProtocolError(BAD_MESSAGE, f"progress.updates must be a list of 1-{MAX_RESULTS} updates")
         return m.Progress(tuple(_progress_update(u) for u in updates))
+    if kind == "checkpoint":
+        items = obj["checkpoints"]
+        if not isinstance(items, list) or not 1 <= len(items) <= MAX_RESULTS:
+            raise ProtocolError(BAD_MESSAGE, f"checkpoint.checkpoints must be a list of 1-{MAX_RESULTS} checkpoints")
+        return m.Checkpoint(tuple(_checkpoint_item(c) for c in items))
     return m.Drain()
 
 
@@ -123,6 +130,7 @@ _CLIENT_FIELDS = {
     "heartbeat": {"type", "ids"},
     "drain": {"type"},
     "progress": {"type", "updates"},
+    "checkpoint": {"type", "checkpoints"},
     "update": {"type", "labels", "models"},
     "started": {"type", "ids"},
     "release": {"type", "ids"},
@@ -143,6 +151,26 @@ def _progress_update(obj: Any) -> m.ProgressUpdate:
     except ValueError as exc:
         raise ProtocolError(BAD_MESSAGE, str(exc)) from None
     return m.ProgressUpdate(job_id(obj["id"]), token(obj["lease_token"]), fraction, message, obj["data"])
+
+
+_CHECKPOINT_FIELDS = {"id", "lease_token", "seq", "data"}
+
+
+def _checkpoint_item(obj: Any) -> m.CheckpointItem:
+    if not isinstance(obj, dict) or obj.keys() != _CHECKPOINT_FIELDS:
+        raise ProtocolError(BAD_MESSAGE, "each checkpoint must be an object with exactly "
+                            f"{', '.join(sorted(_CHECKPOINT_FIELDS))}")
+    try:
+        checkpoint_data(obj["data"])
+    except ValueError as exc:
+        raise ProtocolError(BAD_MESSAGE, str(exc)) from None
+    return m.CheckpointItem(job_id(obj["id"]), token(obj["lease_token"]), _seq(obj["seq"]), obj["data"])
+
+
+def _seq(value: Any) -> int:
+    if type(value) is int and 0 < value <= MAX_JOB_ID:
+        return value
+    raise ProtocolError(BAD_MESSAGE, f"checkpoint seq must be a positive 64-bit integer, not {str(value)[:40]!r}")
 
 
 def _outcome(obj: Any, maybe_nul: bool) -> m.Outcome:
@@ -224,7 +252,7 @@ def parse_server(frame: str | bytes) -> m.ServerMessage:
                                              j["payload"], int(j["attempt"]), timeout(j.get("timeout")),
                                              device_indices(j.get("devices")), queued(j.get("queued_ms")),
                                              batch_number(j.get("batch")), _trace(j) if "traceparent" in j else None,
-                                             _grace(j.get("grace_seconds")))
+                                             j.get("resume_from"), _grace(j.get("grace_seconds")))
                                 for j in obj["jobs"]))
         if kind == "ack":
             return m.Ack(tuple(job_id(i) for i in obj["accepted"]), tuple(job_id(i) for i in obj["rejected"]))
@@ -232,6 +260,8 @@ def parse_server(frame: str | bytes) -> m.ServerMessage:
             return m.ServerDrain(float(obj["deadline_seconds"]))
         if kind == "error":
             return m.Error(str(obj["code"]), str(obj["message"]))
+        if kind == "checkpointed":
+            return m.Checkpointed(tuple(job_id(i) for i in obj["stored"]), tuple(job_id(i) for i in obj["refused"]))
         if kind == "cancel":
             ids = obj["ids"]
             if not isinstance(ids, list) or len(ids) > MAX_CANCEL_IDS:

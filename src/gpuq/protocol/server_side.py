@@ -37,10 +37,15 @@ every rule of the connection lives here:
   ``cancel``) is per item, as for any job.
 - version 8: a pushed job carries its producer's trace (``traceparent``, and
   ``tracestate`` if any) when it has one; never before version 8.
-- version 9: a preemptible job is pushed with its ``grace_seconds``; ``preempt`` asks the agent to yield held jobs by a deadline
-  (never sent to an earlier connection, which is never given preemptible
-  jobs); a ``preempted`` outcome settles a job like any outcome (its credit
-  is free), and is refused (``unexpected``) on an earlier connection.
+- version 9: a pushed job carries its last checkpoint (``resume_from``) when
+  it has one; the agent's ``checkpoint`` items count only for jobs held with
+  that lease token: the others are answered ``refused`` at once, the held
+  ones once the dispatcher has written them (``send_checkpointed``). A
+  preemptible job is pushed with its ``grace_seconds``; ``preempt`` asks the
+  agent to yield held jobs by a deadline (never sent to an earlier
+  connection, which is never given preemptible jobs); a ``preempted``
+  outcome settles a job like any outcome (its credit is free), and is
+  refused (``unexpected``) on an earlier connection.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from typing import Any, Protocol
 from gpuq.protocol.batches import group
 from gpuq.protocol.codes import (
     CANCEL_SINCE,
+    CHECKPOINT_SINCE,
     PLACEMENT_SINCE,
     PREEMPT_SINCE,
     PREFETCH_SINCE,
@@ -68,6 +74,9 @@ from gpuq.protocol.ledger import Ledger
 from gpuq.protocol.messages import (
     Ack,
     Cancel,
+    Checkpoint,
+    Checkpointed,
+    CheckpointItem,
     ClientMessage,
     Done,
     Drain,
@@ -138,6 +147,14 @@ class ProgressReceived:
 
 
 @dataclass(frozen=True, slots=True)
+class CheckpointsReceived:
+    """Version 9: checkpoints to store, only of jobs this connection holds with that lease token;
+    answer them with ``send_checkpointed`` once written."""
+
+    items: tuple[CheckpointItem, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class JobsReleased:
     """Version 5: held jobs the agent will not start, ``(id, lease_token)``: back to pending now,
     their attempt not counted; they no longer take credit."""
@@ -159,7 +176,7 @@ class FrameRefused(Error):
 
 
 Event = (HelloReceived | OutcomesReceived | HeartbeatReceived | DrainRequested | ProgressReceived | AgentUpdated
-         | JobsReleased | SlotsReported | FrameRefused)
+         | JobsReleased | SlotsReported | FrameRefused | CheckpointsReceived)
 
 
 class PushedJob(Protocol):
@@ -275,6 +292,8 @@ class ServerProtocol:
             return [DrainRequested()]
         if isinstance(msg, Progress):
             return self._progress(msg.updates)
+        if isinstance(msg, Checkpoint):
+            return self._checkpoint(msg.items)
         raise ProtocolError(ErrorCode.UNEXPECTED, "hello was already received on this connection")
 
     def _outcomes(self, outcomes: tuple[Outcome, ...]) -> OutcomesReceived:
@@ -305,6 +324,15 @@ class ServerProtocol:
         holds = self.ledger.holds
         mine = tuple(u for u in updates if holds(u.id, u.lease_token))
         return [ProgressReceived(mine)] if mine else []
+
+    def _checkpoint(self, items: tuple[CheckpointItem, ...]) -> list[Event]:
+        """Checkpoints of jobs held with that token go to be written; the others are refused now."""
+        self._needs(CHECKPOINT_SINCE, "checkpoint")
+        holds = self.ledger.holds
+        mine = tuple(c for c in items if holds(c.id, c.lease_token))
+        if len(mine) < len(items):
+            self.send_checkpointed((), tuple(c.seq for c in items if not holds(c.id, c.lease_token)))
+        return [CheckpointsReceived(mine)] if mine else []
 
     def _heartbeat(self, ids: tuple[int, ...]) -> list[Event]:
         mine = self.ledger.held
@@ -345,6 +373,7 @@ class ServerProtocol:
         pushed: list[str] = []
         refused: list[Any] = []
         queued, traced = self.version >= SLOTS_SINCE, self.version >= TRACE_SINCE
+        resumes = self.version >= CHECKPOINT_SINCE
         yielding = self.version >= PREEMPT_SINCE
         for unit in group(jobs):
             held = self._hold(unit)
@@ -356,6 +385,7 @@ class ServerProtocol:
                                       getattr(j, "timeout_seconds", None), devices,
                                       getattr(j, "queued_ms", None) if queued else None, number,
                                       getattr(j, "trace", None) if traced else None,
+                                      getattr(j, "resume_json", None) if resumes else None,
                                       getattr(j, "grace_seconds", None) if yielding else None)
                           for j in unit)
         if pushed:
@@ -378,6 +408,10 @@ class ServerProtocol:
 
     def send_ack(self, accepted: tuple[int, ...], rejected: tuple[int, ...]) -> None:
         self._out.append(encode(Ack(accepted, rejected)))
+
+    def send_checkpointed(self, stored: tuple[int, ...], refused: tuple[int, ...]) -> None:
+        """Answer the agent's checkpoints (by its ``seq``): committed, or refused by fencing."""
+        self._out.append(encode(Checkpointed(stored, refused)))
 
     def cancel(self, ids: Iterable[int]) -> list[int]:
         """Tell the agent these jobs were cancelled: those this connection holds, if its version

@@ -129,7 +129,7 @@ RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease
           j.priority, j.leased_by, j.payload::text AS payload_json, j.status, a.phase, a.slot,
           coalesce(j.timeout_seconds, a.default_timeout) AS timeout_seconds,
           (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms,  -- how long it was due
-          j.traceparent, j.tracestate;
+          j.traceparent, j.tracestate, j.checkpoint::text AS checkpoint_json;
 
 -- name: lease_placed
 -- Lease up to cardinality($3) pending jobs of kind $1 (not paused, no limit) and placement shape $2, by priority and id, none under a limited key; the i-th goes to slot $3[i].
@@ -161,7 +161,7 @@ RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease
           j.payload::text AS payload_json, s.slot,
           coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds,
           (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.traceparent, j.tracestate,
-          j.grace_seconds;
+          j.checkpoint::text AS checkpoint_json, j.grace_seconds;
 
 -- name: limits_lock
 -- Taken before lease_limited, in its transaction: limited leases run one at a time across dispatchers, each counting the last one's.
@@ -214,7 +214,7 @@ RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease
           j.payload::text AS payload_json, s.slot,
           coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds,
           (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.traceparent, j.tracestate,
-          j.grace_seconds;
+          j.checkpoint::text AS checkpoint_json, j.grace_seconds;
 
 -- name: limit_set
 -- At most $3 jobs leased at once under scope $1 ('kind' or 'key') and name $2 (NULL: no limit); wakes the dispatchers.
@@ -371,7 +371,7 @@ RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease
           j.payload::text AS payload_json,
           coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds,
           (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.batch_id, j.traceparent, j.tracestate,
-          j.grace_seconds;
+          j.checkpoint::text AS checkpoint_json, j.grace_seconds;
 
 -- name: placed_head
 -- Seconds the next pending job of kind $1 and shape $2 has been due (jobs_placed_idx; no row: none pending).
@@ -524,6 +524,14 @@ WITH written AS (
         SELECT id, (row_number() OVER () - 1) / 300 AS chunk FROM written) AS c GROUP BY chunk
 )
 SELECT id FROM written WHERE (SELECT count(*) FROM told) >= 0;
+
+-- name: record_checkpoints
+-- Store running jobs' checkpoints (JSON text $3) where (id $1, lease_token $2) still holds the lease, with when and by which attempt; returns the ids stored (one row per job: the caller passes each job once).
+UPDATE gpuq.jobs j
+SET checkpoint = c.data::jsonb, checkpoint_at = now(), checkpoint_attempt = j.attempts
+FROM unnest($1::bigint[], $2::uuid[], $3::text[]) AS c(id, token, data)
+WHERE j.id = c.id AND j.status::text = 'leased' AND j.lease_token = c.token
+RETURNING j.id;
 
 -- name: heartbeat
 -- Extend the leases agent $2 holds on ids $1 by $3 seconds; returns the ids extended.
@@ -710,6 +718,7 @@ SELECT id, kind, status::text AS status, priority, attempts, max_attempts, paylo
        finished_at, dedup_key, timeout_seconds, deadline_at, progress::text AS progress,
        gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, batch_id, batch_size,
        traceparent, tracestate, coalesce(tenant, 'default') AS tenant,
+       checkpoint::text AS checkpoint, checkpoint_at, checkpoint_attempt,
        preemptible, grace_seconds, max_preemptions, preemptions, preempt_at
 FROM gpuq.jobs WHERE id = $1;
 
@@ -806,11 +815,14 @@ WHERE status IN ('dead', 'cancelled') AND ($1::bigint[] IS NULL OR id = ANY($1::
   AND ($6::text IS NULL OR status::text = $6) AND ($7::text IS NULL OR concurrency_key = $7);
 
 -- name: retry
--- Send the dead or cancelled jobs retry_count matches back to pending with fresh attempts, and wake the dispatchers for their kinds.
+-- Send the dead or cancelled jobs retry_count matches back to pending with fresh attempts (their checkpoint kept, or dropped when $8), and wake the dispatchers for their kinds.
 WITH r AS (
     UPDATE gpuq.jobs
     SET status = 'pending', attempts = 0, run_at = now(), finished_at = NULL, started_at = NULL,
-        lease_token = NULL, leased_by = NULL, lease_expires_at = NULL
+        lease_token = NULL, leased_by = NULL, lease_expires_at = NULL,
+        checkpoint = CASE WHEN $8::boolean THEN NULL ELSE checkpoint END,
+        checkpoint_at = CASE WHEN $8::boolean THEN NULL ELSE checkpoint_at END,
+        checkpoint_attempt = CASE WHEN $8::boolean THEN NULL ELSE checkpoint_attempt END
     WHERE status IN ('dead', 'cancelled') AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
       AND ($2::text IS NULL OR kind = $2) AND ($3::text IS NULL OR strpos(last_error, $3) > 0)
       AND ($4::timestamptz IS NULL OR finished_at >= $4) AND ($5::timestamptz IS NULL OR finished_at < $5)

@@ -85,7 +85,8 @@ async def job(fleet: Fleet, job_id: int) -> dict[str, Any] | None:
         a["took"] = None if a["ended_at"] is None or a["started_at"] is None else age(
             (a["ended_at"] - a["started_at"]).total_seconds())
     return {**shown, "attempt_rows": tried, "payload_text": pretty(shown["payload"]),
-            "result_text": pretty(shown["result"]), "progress_text": pretty(shown["progress"])}
+            "result_text": pretty(shown["result"]), "progress_text": pretty(shown["progress"]),
+            "checkpoint_text": pretty(shown["checkpoint"])}
 
 
 def pretty(value: Any) -> str | None:
