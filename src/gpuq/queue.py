@@ -1,13 +1,11 @@
 """The Python API of the job lifecycle over the named statements of ``sql/queries.sql``.
 
-Enqueue, lease, complete, fail, heartbeat, release, reclaim, promote, prune:
-the SQL lives there, written out in full; this module only shapes arguments
-and rows (the types are ``gpuq.jobs``'; the operator's control and reads are
-``gpuq.admin``; notifications and the wake-up handshake ``gpuq.wakeups``).
-Every hot statement reaches rows through a partial index over a live status,
-so its cost is O(rows it returns) whatever the done/dead history
-(docs/design.md). Functions take ``db`` (``gpuq.sql.DB``): an asyncpg
-Connection or Pool. Every value travels as a bind parameter.
+Enqueue, lease, complete, fail, heartbeat, release, reclaim, promote, prune: the SQL lives
+there, written out in full; this module only shapes arguments and rows (the types are
+``gpuq.jobs``'; the operator's control and reads are ``gpuq.admin``; notifications and the
+wake-up handshake ``gpuq.wakeups``). Every hot statement reaches rows through a partial index
+over a live status, so its cost is O(rows it returns) whatever the done/dead history
+(docs/design.md). Functions take ``db`` (``gpuq.sql.DB``): an asyncpg Connection or Pool.
 """
 
 from __future__ import annotations
@@ -165,8 +163,8 @@ async def lease_slots(db: DB, kinds: Sequence[str], slots: Sequence[str], lease_
     rows = await db.fetch(queries["lease_slots"], *lease_args(kinds, slots, lease_seconds, cursors))
     # UPDATE ... RETURNING does not keep the pick order: restore the slots' order
     # (pending by priority and id, then reclaimed ones by expiry).
-    rows.sort(key=_BY_SLOT)
-    jobs = [_leased(r) for r in rows if r["status"] == "leased"]  # the others went dead
+    rows.sort(key=BY_SLOT)
+    jobs = [leased_job(r) for r in rows if r["status"] == "leased"]  # the others went dead
     if len(jobs) < len(rows):
         await notify_outcomes(db, [r["id"] for r in rows if r["status"] != "leased"])
     picked = [r for r in rows if r["phase"] == 1]
@@ -176,7 +174,7 @@ async def lease_slots(db: DB, kinds: Sequence[str], slots: Sequence[str], lease_
                        cursors=last)
 
 
-_BY_SLOT = operator.itemgetter("slot")
+BY_SLOT = operator.itemgetter("slot")
 
 
 async def read_shapes(db: DB) -> list[Shape]:
@@ -195,10 +193,10 @@ async def lease_placed(db: DB, shape: Shape, slots: Sequence[str], lease_seconds
 
 
 def _placed_jobs(shape: Shape, rows: list[Any]) -> list[LeasedJob]:
-    return [_placed(shape, r) for r in sorted(rows, key=_BY_SLOT)]
+    return [placed_job(shape, r) for r in sorted(rows, key=BY_SLOT)]
 
 
-def _placed(shape: Shape, r: Any, batch: int | None = None) -> LeasedJob:
+def placed_job(shape: Shape, r: Any, batch: int | None = None) -> LeasedJob:
     return LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
                      r["leased_by"], r["payload_json"], r["timeout_seconds"], shape.gpus, shape.gpu_memory_mb,
                      r["queued_ms"], shape.model, batch,
@@ -261,8 +259,8 @@ async def lease_batched(db: DB, kind: str, batches: Sequence[tuple[str, Sequence
     rows = await db.fetch(queries["lease_batched"], kind, ids, agents, lease_seconds, batch_ids, sizes,
                           None if shape is None else shape.digest)
     if shape is None:
-        return {r["id"]: _leased(r, r["batch_id"]) for r in rows}
-    return {r["id"]: _placed(shape, r, r["batch_id"]) for r in rows}
+        return {r["id"]: leased_job(r, r["batch_id"]) for r in rows}
+    return {r["id"]: placed_job(shape, r, r["batch_id"]) for r in rows}
 
 
 async def placed_pending(db: DB) -> dict[tuple[str, str], tuple[int, datetime]]:
@@ -270,7 +268,7 @@ async def placed_pending(db: DB) -> dict[tuple[str, str], tuple[int, datetime]]:
     return {(r["kind"], r["shape"]): (r["n"], r["oldest"]) for r in await db.fetch(queries["placed_pending"])}
 
 
-def _leased(r: Any, batch: int | None = None) -> LeasedJob:
+def leased_job(r: Any, batch: int | None = None) -> LeasedJob:
     return LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
                      r["leased_by"], r["payload_json"], r["timeout_seconds"], queued_ms=r.get("queued_ms"),
                      batch=batch, trace=None if (tp := r["traceparent"]) is None else (tp, r["tracestate"]),
@@ -281,13 +279,13 @@ def _leased(r: Any, batch: int | None = None) -> LeasedJob:
 # Outcomes: fenced by (status = 'leased', lease_token)
 # --------------------------------------------------------------------------
 
-async def complete_many(db: DB, results: Iterable[tuple[int, str, Any]], charge: bool = False) -> set[int]:
+async def complete_many(db: DB, results: Iterable[tuple[int, str, Any]], charge: bool = False,
+                        ran: Sequence[float | None] | None = None) -> set[int]:
     """Mark jobs done where (id, lease_token) still holds the lease.
 
-    Returns the ids that were accepted; any other id was rejected by fencing
-    (its lease was reclaimed or it is no longer leased) and changed nothing.
-    ``charge`` (fair share is on): each job's GPU-seconds also go to its
-    tenant's usage, in the same statement; off, the statement is the plain one.
+    Returns the ids accepted; any other was rejected by fencing (its lease was reclaimed or it is
+    no longer leased) and changed nothing. ``charge`` (fair share on): each job's GPU-seconds (``ran``:
+    its run time where known, else its lease's age) go to its tenant's usage in the same statement.
     """
     ids, tokens, values = [], [], []
     for job_id, token, result in results:
@@ -296,7 +294,8 @@ async def complete_many(db: DB, results: Iterable[tuple[int, str, Any]], charge:
         values.append(_jsonb_param(result))
     if not ids:
         return set()
-    rows = await db.fetch(queries["complete_many_charged" if charge else "complete_many"], ids, tokens, values)
+    charged = (list(ran or [None] * len(ids)),) if charge else ()
+    rows = await db.fetch(queries["complete_many_charged" if charge else "complete_many"], ids, tokens, values, *charged)
     return {r["id"] for r in rows}
 
 
@@ -331,7 +330,7 @@ async def record_checkpoints(db: DB, checkpoints: Sequence[tuple[int, str, str]]
 
 async def fail_many(
     db: DB, failures: Iterable[tuple[int, str, str, bool]], backoff: JobBackoff = DEFAULT_BACKOFF,
-    charge: bool = False,
+    charge: bool = False, ran: Sequence[float | None] | None = None,
 ) -> dict[int, FailOutcome]:
     """Record failures ``(id, token, error, retryable)``; return accepted ids -> outcome. ``charge``:
     as ``complete_many``'s."""
@@ -343,8 +342,9 @@ async def fail_many(
         retry.append(retryable)
     if not ids:
         return {}
+    charged = (list(ran or [None] * len(ids)),) if charge else ()
     rows = await db.fetch(queries["fail_many_charged" if charge else "fail_many"], ids, tokens, errors, retry,
-                          backoff.base_seconds, backoff.cap_seconds, backoff.jitter)
+                          backoff.base_seconds, backoff.cap_seconds, backoff.jitter, *charged)
     return {r["id"]: FailOutcome(r["id"], str(r["status"]), r["run_at"]) for r in rows}
 
 

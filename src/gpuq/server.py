@@ -221,7 +221,7 @@ class AgentServer:
         d = self.dispatcher
         if isinstance(event, server_side.OutcomesReceived):
             # Fenced in the database by the lease token; acked either way.
-            d.submit(session, event.outcomes, event.freed)
+            d.submit(session, event.outcomes, event.freed, event.ran)
         elif isinstance(event, server_side.HeartbeatReceived):
             d.heartbeat(session, event.ids)
         elif isinstance(event, server_side.DrainRequested):

@@ -37,7 +37,8 @@ def test_lease_history_json(server_dsn: str, capsys: pytest.CaptureFixture[str],
         assert row["gpuq_buffers"] > 0 and row["naive_buffers"] > 0
         # gpuq finds its rows through the pending partial index, never the primary key.
         assert "jobs_pending_idx" in row["gpuq_scans"]
-    assert isinstance(got["gpuq_buffer_ratio"], float)
+        assert "jobs_fair_idx" in row["gpuq_fair_scans"] and row["fair_reads_buffers"] > 0
+    assert isinstance(got["gpuq_buffer_ratio"], float) and isinstance(got["gpuq_fair_buffer_ratio"], float)
     assert png.stat().st_size > 1000
 
 
@@ -147,6 +148,17 @@ def test_placement_over_two_serves_json(server_dsn: str, capsys: pytest.CaptureF
                     "--models", "3", "--jobs", "12", "--load-seconds", "0.01", "--rate", "200", "--seeds", "1")
     assert got["serves"] == 2 and got["violations"] == 0
     assert {"cold_loads_per_1000", "blind_cold_loads_per_1000", "cold_load_ratio"} <= got.keys()
+
+
+def test_fairness_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    got = run_bench(capsys, server_dsn, "fairness", "--seconds", "1", "--window", "1", "--flood", "300",
+                    "--tenants", "20", "--leases", "10")
+    assert {"trickle_p99_wait_ms", "fifo_trickle_p99_wait_ms", "share_error_max", "share_error_mixed_max",
+            "idle_tenant_utilisation", "jain_1000", "lease_p99_ratio_1000"} <= got.keys()
+    assert got["trickle_jobs"] == 2 and 0 < got["idle_tenant_utilisation"] <= 1
+    assert 0 < got["jain_1000"] <= 1 and 0 <= got["share_error_max"] <= 1 and got["lease_p99_ratio_1000"] > 0
+    # b's jobs waited behind a's flood without fair share: far longer than with it.
+    assert got["fifo_trickle_p99_wait_ms"] > got["trickle_p99_wait_ms"]
 
 
 def test_busy_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,6 +6,7 @@ Run times are set in SQL (``started_at`` in the past): in the ``conn`` fixture's
 
 import json
 
+import anyio
 import asyncpg
 import pytest
 import structlog
@@ -235,6 +236,22 @@ async def test_the_completer_charges_only_while_fair_share_is_on_with_the_plain_
     assert 20 <= (await _usage(pool))["acme"] < 21  # two attempts of 10 s
 
 
+async def test_the_completer_charges_the_run_time_the_agent_told_not_the_lease_s_age(pool):
+    """Both jobs were leased 10 s ago; the protocol measured 2 and 3 s of run (a prefetched job's
+    wait in its agent is not run time). A job without a measured run is charged its lease's age."""
+    completer = Completer(pool, JobBackoff(), charging=lambda: True)
+    agent = _Agent()
+    await admin.set_tenant(pool, "acme", 1)
+    (done, token), (failed, failed_token) = await _running(pool, "acme", 10), await _running(pool, "acme", 10)
+    (other, other_token) = await _running(pool, "beta", 10)
+    completer.submit(agent, [(Done(done, token, None), "train"), (Failed(failed, failed_token, "x", True), "train"),
+                             (Done(other, other_token, None), "train")], {done: 2.0, failed: 3.0})
+    await completer.flush()
+    usage = await _usage(pool)
+    assert 4.99 <= usage["acme"] <= 5 and 9.99 <= usage["beta"] < 11  # decayed a little since
+    assert completer.ran == {}  # forgotten once written
+
+
 async def test_the_sweeper_and_a_disconnect_charge_only_while_fair_share_is_on(conn):
     for on in (False, True):
         await conn.execute("DELETE FROM gpuq.jobs")
@@ -286,15 +303,15 @@ async def test_the_tenants_read_and_the_charged_outcomes_read_no_history(conn):
     await conn.execute("ANALYZE gpuq.jobs")
     plan = await plans.explain(conn, queries["tenant_usage"], 1000)
     # gpuq.tenant_usage is read whole: a row per tenant charged, never a job's.
-    assert plans.plan_indexes(plan) <= {"jobs_tenant_pending_idx", "jobs_pending_idx", "jobs_placed_idx",
+    assert plans.plan_indexes(plan) <= {"jobs_tenant_pending_idx", "jobs_pending_idx", "jobs_placed_idx", "jobs_fair_idx",
                                         "jobs_leased_idx", "tenants_pkey", "tenant_usage_pkey",
                                         "seqscan:tenant_usage"}, plans.plan_indexes(plan)
     assert plans.plan_buffers(plan) < 150, plans.plan_buffers(plan)  # 43 measured
     ids, tokens = [i for i, _ in jobs], [t for _, t in jobs]
     b = JobBackoff()
-    for name, args in (("complete_many_charged", (ids, tokens, [None] * 10)),
+    for name, args in (("complete_many_charged", (ids, tokens, [None] * 10, [1.0] * 10)),
                        ("fail_many_charged", (ids, tokens, ["x"] * 10, [True] * 10, b.base_seconds, b.cap_seconds,
-                                              b.jitter))):
+                                              b.jitter, [None] * 10))):
         plan = await plans.explain(conn, queries[name], *args)
         indexes = plans.plan_indexes(plan)
         assert "jobs_leased_idx" not in indexes and "jobs_pkey" in indexes, (name, indexes)
@@ -310,14 +327,14 @@ def _tenant_series(text: str) -> dict[tuple[str, str], float]:
             if f.name.startswith("gpuq_tenant_") for s in f.samples}
 
 
-async def _done(job) -> None:
-    return None
+async def _ran_a_while(job) -> None:
+    await anyio.sleep(0.05)  # charged its run time: from the agent's started to its outcome
 
 
 async def test_a_server_charges_its_agents_jobs_once_a_weight_is_set_and_shows_each_tenant(dsn, pool, monkeypatch):
     monkeypatch.setattr(census, "LOAD_SHARE", 1.0)  # a read every 0.05 s, however slow this machine's reads are
     async with running_server(dsn, tuning=Tuning(fair_share_seconds=0), metrics_sample_seconds=0.05) as srv:
-        await srv.agent(["train"], 2, _done)
+        await srv.agent(["train"], 2, _ran_a_while)
         await producer.wait(pool, await producer.enqueue(pool, "train", tenant="acme"), timeout=10)
         assert await _usage(pool) == {}  # fair share off: nothing charged, nothing shown
         assert json.loads((await http_get(srv.http + "/status", token=TOKEN))[2])["tenants"] == []

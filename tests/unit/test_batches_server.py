@@ -101,9 +101,9 @@ def test_a_batch_takes_one_credit_until_its_last_outcome():
     assert led.free == 1 and set(led.held) == {1, 2, 3}
     assert led.hold_batch(items(4, 5), "embed") == ((), 2)  # numbered per connection
     assert led.free == 0
-    _, freed = led.settle([Done(1, TOKEN, None), Failed(2, TOKEN, "x", True)])
+    _, freed, _ = led.settle([Done(1, TOKEN, None), Failed(2, TOKEN, "x", True)])
     assert freed == 0 and led.free == 0  # item 3 still holds batch 1
-    _, freed = led.settle([Done(3, TOKEN, None)])
+    _, freed, _ = led.settle([Done(3, TOKEN, None)])
     assert freed == 1 and led.free == 1 and led.batches == {2: {4, 5}}
     led.settle([Done(4, TOKEN, None), Done(5, TOKEN, None)])
     assert (led.free, led.batches, led.batch_of, led.held) == (2, {}, {}, {})

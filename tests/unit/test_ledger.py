@@ -38,7 +38,7 @@ def test_an_outcome_frees_its_credit_only_with_the_held_token():
     led = ledger()
     led.hold(1, TOKEN, "embed")
     led.hold(2, TOKEN, "train")
-    items, freed = led.settle([Done(1, OTHER, None), Failed(2, TOKEN, "x", True), Done(9, TOKEN, 1)])
+    items, freed, _ran = led.settle([Done(1, OTHER, None), Failed(2, TOKEN, "x", True), Done(9, TOKEN, 1)])
     assert [kind for _, kind in items] == [UNKNOWN_KIND, "train", UNKNOWN_KIND] and freed == 1
     assert list(led.held) == [1] and led.free == 1
     assert led.holds(1, TOKEN) and not led.holds(1, OTHER) and not led.holds(2, TOKEN)
@@ -113,3 +113,18 @@ def test_a_held_job_s_model_is_held_until_its_outcome_or_its_release():
     led.settle([Done(1, TOKEN, None)])
     assert led.release([2]) == ((2, TOKEN),)
     assert led.held_models == {}
+
+
+def test_a_job_s_run_time_is_from_its_started_to_its_outcome_not_from_its_push():
+    """Fair share charges run time: a prefetched job's wait in the agent is not in it."""
+    led = ledger(version=5, capacity=1, prefetch=1)
+    led.hold(1, TOKEN, "embed")
+    led.hold(2, TOKEN, "embed")
+    led.mark_started([1], now=10.0)
+    led.mark_started([1], now=11.0)  # told again (a resend): the first start holds
+    _items, _freed, ran = led.settle([Done(1, TOKEN, None)], now=12.5)
+    assert ran == {1: 2.5}
+    led.mark_started([2], now=14.0)
+    _items, _freed, ran = led.settle([Done(2, OTHER, None), Failed(2, TOKEN, "x", True)], now=14.25)
+    assert ran == {2: 0.25}  # the stale token's outcome has none
+    assert led.started_at == {}

@@ -10,6 +10,10 @@ same rows from the same state):
 
 - gpuq: lease phase 1 as ``gpuq.queue`` runs it (two-phase lease, pending
   partial index, update by ctid);
+- gpuq fair: the lease with fair share on (``lease_fair``: a descent per
+  tenant and kind it leases from; the pending rows belong to ``TENANTS``
+  tenants, a ticket each in turn), and the two reads a fair-share dispatcher
+  makes every second (``fair_waiting``, ``fair_state``: ``fair_reads_buffers``);
 - naive: the single-phase ``SELECT id ... WHERE status = 'pending' ORDER BY
   id LIMIT n FOR UPDATE SKIP LOCKED`` + ``UPDATE ... WHERE id = picked.id``,
   with the naive plan: walk the primary key from id 1, filtering
@@ -33,15 +37,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuq import plans, queue
+from gpuq import fairlease, plans, queue
 from gpuq.bench import common
 from gpuq.db import connect
+from gpuq.sql import queries
 
 KIND = "train"
 PENDING = 1_000
 CHUNK = 500_000  # done rows per INSERT statement (common.progress granularity)
 LEASE_SECONDS = 30.0
-GPUQ, NAIVE, NAIVE_PLANNER = "gpuq", "naive", "naive_planner"
+TENANTS = 10  # the pending rows' tenants
+GPUQ, GPUQ_FAIR, NAIVE, NAIVE_PLANNER = "gpuq", "gpuq_fair", "naive", "naive_planner"
 
 
 def register(sub: Any) -> None:
@@ -80,7 +86,7 @@ async def run(dsn: str, done_sizes: list[int], batch: int, repeat: int,
             build_s = await _build(conn, done)
             common.progress(f"done={done:,}: measuring gpuq and naive leases ({repeat} runs each)")
             row: dict[str, Any] = {"done": done}
-            for variant in (GPUQ, NAIVE, NAIVE_PLANNER):
+            for variant in (GPUQ, GPUQ_FAIR, NAIVE, NAIVE_PLANNER):
                 plan, times = await _measure(conn, batch, repeat, budget, variant)
                 row[f"{variant}_buffers"] = plans.plan_buffers(plan)
                 row[f"{variant}_ms"] = round(common.median(times), 3)
@@ -88,6 +94,8 @@ async def run(dsn: str, done_sizes: list[int], batch: int, repeat: int,
                 row[f"{variant}_scans"] = sorted(plans.plan_indexes(plan))
                 if variant == GPUQ:
                     row["gpuq_pick_buffers"] = plans.plan_buffers(plan, reads_only=True)
+            row["fair_reads_buffers"] = sum([plans.plan_buffers(await plans.explain(conn, queries[name]))
+                                             for name in ("fair_waiting", "fair_state")])
             row["build_s"] = round(build_s, 1)
             rows.append(row)
             await conn.execute(common.queries["naive_drop"])
@@ -102,6 +110,8 @@ async def run(dsn: str, done_sizes: list[int], batch: int, repeat: int,
         "pending": PENDING,
         "rows": rows,
         "gpuq_buffer_ratio": _ratio(top["gpuq_buffers"], base["gpuq_buffers"]),
+        "gpuq_fair_buffer_ratio": _ratio(top["gpuq_fair_buffers"], base["gpuq_fair_buffers"]),
+        "fair_reads_buffer_ratio": _ratio(top["fair_reads_buffers"], base["fair_reads_buffers"]),
         "naive_buffer_ratio": _ratio(top["naive_buffers"], base["naive_buffers"]),
         "naive_planner_buffer_ratio": _ratio(top["naive_planner_buffers"],
                                              base["naive_planner_buffers"]),
@@ -120,7 +130,7 @@ async def _build(conn: Any, done: int) -> float:
             common.progress(f"done={done:,}: inserted {hi:,} done rows ({time.perf_counter() - t0:.1f}s)")
     finally:
         await conn.execute(common.queries["trigger_on"])
-    await conn.execute(common.queries["insert_pending"], KIND, PENDING)
+    await conn.execute(common.queries["insert_pending"], KIND, PENDING, TENANTS)
     common.progress(f"done={done:,}: copying into gpuq_naive.jobs")
     await conn.execute(common.queries["naive_drop"])
     await conn.execute(common.queries["naive_create"])
@@ -135,12 +145,15 @@ async def _build(conn: Any, done: int) -> float:
 async def _measure(conn: Any, batch: int, repeat: int, budget: float,
                    variant: str) -> tuple[dict[str, Any], list[float]]:
     """(plan of one EXPLAIN ANALYZE run, ms of up to ``repeat`` plain runs), all rolled back."""
-    naive = variant != GPUQ
+    naive = variant not in (GPUQ, GPUQ_FAIR)
+    tickets = [f"t{i % TENANTS}" for i in range(batch)]
 
     async def lease_once() -> int:
         if naive:
             rows = await conn.fetch(common.queries["naive_lease"], batch, "bench#naive", LEASE_SECONDS)
             return len(rows)
+        if variant == GPUQ_FAIR:
+            return len(await fairlease.lease_fair(conn, [KIND], tickets, ["bench#fair"] * batch, LEASE_SECONDS))
         return len((await queue.lease(conn, [KIND], batch, "bench#gpuq", LEASE_SECONDS)).jobs)
 
     async def rolled_back(fn: Any) -> tuple[Any, float]:
@@ -165,6 +178,8 @@ async def _measure(conn: Any, batch: int, repeat: int, budget: float,
     if naive:  # plans.explain in the transaction that holds the planner settings
         plan, _ms = await rolled_back(lambda: plans.explain(conn, common.queries["naive_lease"], batch, "explain",
                                                             LEASE_SECONDS))
+    elif variant == GPUQ_FAIR:
+        plan = await plans.explain(conn, queries["lease_fair"], [KIND], tickets, ["explain"] * batch, LEASE_SECONDS)
     else:  # its own rolled-back transaction
         plan = await plans.explain_lease(conn, [KIND], batch)
     times: list[float] = []
@@ -186,15 +201,18 @@ def report(result: dict[str, Any]) -> None:
           "choice on fresh statistics")
     print()
     common.print_table(
-        ["done rows", "gpuq buffers", "gpuq ms", "naive buffers", "naive ms",
-         "naive planner buffers", "naive planner ms"],
-        [[r["done"], r["gpuq_buffers"], r["gpuq_ms"], r["naive_buffers"], r["naive_ms"],
-          r["naive_planner_buffers"], r["naive_planner_ms"]] for r in result["rows"]],
+        ["done rows", "gpuq buffers", "gpuq ms", "fair buffers", "fair ms", "fair reads buffers", "naive buffers",
+         "naive ms", "naive planner buffers", "naive planner ms"],
+        [[r["done"], r["gpuq_buffers"], r["gpuq_ms"], r["gpuq_fair_buffers"], r["gpuq_fair_ms"],
+          r["fair_reads_buffers"], r["naive_buffers"], r["naive_ms"], r["naive_planner_buffers"],
+          r["naive_planner_ms"]] for r in result["rows"]],
     )
     common.print_table(["done rows", "gpuq scans", "naive scans", "naive planner scans"],
                 [[r["done"], ",".join(r["gpuq_scans"]), ",".join(r["naive_scans"]),
                   ",".join(r["naive_planner_scans"])] for r in result["rows"]])
     print(f"gpuq buffer ratio (largest/smallest history): {result['gpuq_buffer_ratio']}")
+    print(f"gpuq fair share buffer ratio: lease {result['gpuq_fair_buffer_ratio']}, "
+          f"reads {result['fair_reads_buffer_ratio']}")
     print(f"naive buffer ratio (largest/smallest history): {result['naive_buffer_ratio']}")
     print(f"naive planner buffer ratio: {result['naive_planner_buffer_ratio']}")
 

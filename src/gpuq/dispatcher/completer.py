@@ -72,11 +72,16 @@ class Completer(Writer):
         self.preempted: list[tuple[Session, Preempted, str]] = []
         self.orphans: list[int] = []  # leased for an agent that left before the push
         self.unstarted: list[tuple[Session, tuple[tuple[int, str], ...]]] = []  # given back, (id, token)
+        self.ran: dict[int, float] = {}  # job id -> its handler's run time, where the agent told its start
         self.checkpoints: list[tuple[Session, CheckpointItem]] = []  # in the order they came
         self._lock = anyio.Lock()
 
-    def submit(self, session: Session, outcomes: Iterable[tuple[Outcome, str]]) -> None:
-        """Queue ``(outcome, kind)`` pairs reported by ``session``; acked after the commit."""
+    def submit(self, session: Session, outcomes: Iterable[tuple[Outcome, str]],
+               ran: dict[int, float] | None = None) -> None:
+        """Queue ``(outcome, kind)`` pairs reported by ``session``; acked after the commit. ``ran``:
+        the run times the protocol measured (fair share charges them, else the lease's age)."""
+        if ran:
+            self.ran.update(ran)
         for msg, kind in outcomes:
             if isinstance(msg, Done):
                 self.done.append((session, msg, kind))
@@ -164,15 +169,7 @@ class Completer(Writer):
             await self._write_preempted(yielded)
             del self.preempted[:len(yielded)]
         started = self.spans.write_started() if self.spans is not None else 0
-        accepted: set[int] = set()
-        outcomes: dict[int, FailOutcome] = {}
-        charge = self.charging()
-        if done:
-            accepted = await queue.complete_many(self.pool, [(m.id, m.lease_token, m.result) for _, m, _ in done],
-                                                 charge)
-        if failed:
-            outcomes = await queue.fail_many(
-                self.pool, [(m.id, m.lease_token, m.error, m.retryable) for _, m, _ in failed], self.backoff, charge)
+        accepted, outcomes = await self._write_outcomes(done, failed)
         if orphans:
             await queue.release_jobs(self.pool, orphans, undelivered=True)
         # Committed: now take them off the queue and tell the agents.
@@ -240,6 +237,24 @@ class Completer(Writer):
         if refused := [i for i in latest if i not in stored]:
             log.warning("checkpoint.rejected", job_ids=refused, count=len(refused),
                         reason="stale lease token (the lease was reclaimed or the job finished)")
+
+    async def _write_outcomes(self, done: list[tuple[Session, Done, str]],
+                              failed: list[tuple[Session, Failed, str]]) -> tuple[set[int], dict[int, FailOutcome]]:
+        """Write outcomes: the ids done accepted, and each accepted failure's outcome. While fair share
+        is on, each attempt charges its run time as the protocol measured it (else its lease's age)."""
+        accepted: set[int] = set()
+        outcomes: dict[int, FailOutcome] = {}
+        charge, ran = self.charging(), self.ran
+        if done:
+            accepted = await queue.complete_many(self.pool, [(m.id, m.lease_token, m.result) for _, m, _ in done],
+                                                 charge, [ran.get(m.id) for _, m, _ in done] if charge else None)
+        if failed:
+            outcomes = await queue.fail_many(
+                self.pool, [(m.id, m.lease_token, m.error, m.retryable) for _, m, _ in failed], self.backoff, charge,
+                [ran.get(m.id) for _, m, _ in failed] if charge else None)
+        for _, m, _ in (*done, *failed) if ran else ():
+            ran.pop(m.id, None)
+        return accepted, outcomes
 
     async def _release_unstarted(self, given: list[tuple[Session, tuple[tuple[int, str], ...]]]) -> None:
         moved = await queue.release_unstarted(self.pool, [job for _, jobs in given for job in jobs])

@@ -17,6 +17,7 @@ from typing import Any
 from gpuq import logs, metrics, queue, wakeups
 from gpuq.config import ServerConfig
 from gpuq.dispatcher.cursors import Cursors
+from gpuq.dispatcher.fairshare import FairShare
 from gpuq.dispatcher.sessions import AgentSession, Sessions, interleave
 from gpuq.dispatcher.trigger import Pass
 from gpuq.dispatcher.tuning import Tuning
@@ -27,8 +28,9 @@ log = logs.get("dispatcher")
 
 class GroupLeases:
     def __init__(self, pool: Any, config: ServerConfig, tuning: Tuning, listen_pid: Callable[[], int | None],
-                 recheck: Callable[[set[str]], None]):
+                 recheck: Callable[[set[str]], None], fair: FairShare | None = None):
         self.pool, self.config, self.tuning = pool, config, tuning
+        self.fair = fair or FairShare(pool, tuning)  # while on, plain jobs lease in its order (no cursors)
         self._listen_pid = listen_pid  # floors are recorded under our LISTEN connection's pid
         self._recheck = recheck  # kinds a lowered floor sent back to the top: the next pass looks at them
         self.cursors = Cursors(time.monotonic())
@@ -67,6 +69,18 @@ class GroupLeases:
             slots = interleave(members, self.config.max_batch)
             if not slots:
                 return
+            if self.fair.on:
+                with metrics.LEASE_SECONDS.time():
+                    jobs, more = await self.fair.lease(sorted(kinds), slots, self.config.lease_seconds)
+                if jobs:
+                    log.info("lease.batch", batch=len(jobs), requested=len(slots), kinds=sorted(kinds),
+                             agents=len({j.leased_by for j in jobs}), fair=True)
+                if not more:
+                    self._short.add(kinds)
+                yield jobs
+                if not more:
+                    return
+                continue
             await self._settle()
             rewinds = self.cursors.rewinds
             with metrics.LEASE_SECONDS.time():

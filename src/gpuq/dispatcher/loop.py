@@ -53,10 +53,11 @@ class Dispatcher:
         self.heartbeats = Heartbeats(pool, config.lease_seconds, on_lost=self.sessions.cancel_on)
         self.trigger = LeaseTrigger(pool, config, tuning, on_kind=self._announced, on_cancel=self.sessions.cancel_running,
                                     on_preempt=self.sessions.preempt_running)
-        self.groups = GroupLeases(pool, config, tuning, lambda: self.trigger.listen_pid, self.trigger.recheck)
+        self.groups = GroupLeases(pool, config, tuning, lambda: self.trigger.listen_pid, self.trigger.recheck,
+                                  self.fair_share)
         self.trigger.on_listen = lambda: self.groups.listen_connected(self.trigger.listen_pid or 0)
         self.roster = Roster(pool, tuning, self.sessions)  # this server's agents, for the other servers
-        self.placing = Placing(pool, config, tuning, self.roster)
+        self.placing = Placing(pool, config, tuning, self.roster, self.fair_share)
         self.batching = Batching(pool, config, tuning)
         self._passes = 0
 
@@ -106,14 +107,15 @@ class Dispatcher:
         self.spans.forget(session.inflight)
         session.inflight.clear()
 
-    def submit(self, session: AgentSession, outcomes: Iterable[tuple[Outcome, str]], freed: int) -> None:
+    def submit(self, session: AgentSession, outcomes: Iterable[tuple[Outcome, str]], freed: int,
+               ran: dict[int, float] | None = None) -> None:
         """Queue reported outcomes ``(message, kind)`` for the database; ``freed`` credits came back.
 
         The session's protocol has already matched them to the jobs it holds;
         an outcome for a job it was not given (kind '?') still goes to the
         database, where the lease token decides, and is acked either way.
         """
-        self.completer.submit(session, outcomes)
+        self.completer.submit(session, outcomes, ran)
         if self.progress.latest:
             self.progress.forget(msg.id for msg, _ in outcomes)
         if freed:
@@ -198,7 +200,8 @@ class Dispatcher:
         delivered before the next."""
         stopping = lambda: self.stopping  # noqa: E731
         batched = self.batching.kinds
-        await self.fair_share.refresh(why)
+        if await self.fair_share.refresh(why):  # on or off: every group in the new order, cursors afresh
+            why.every = why.rewind = True
         await self.batching.refresh(self.sessions, why)  # the batched kinds, before either leases
         if self.batching.kinds != batched:
             # Groups changed (sessions.group_kinds): a job announced to the old ones, and left

@@ -13,10 +13,13 @@ It owns what placement needs between passes:
 - batches: a batched kind's shape gives each slot of an agent that takes
   batches one batch of its jobs (``gpuq.batches``, like ``Batching`` for plain
   jobs); when the shape's next partial batch may go (``wait_left``). A limited
-  kind's or key's jobs go one by one.
-
+  kind's or key's jobs go one by one;
 - preemption (``Preempting``): after the shapes, a GPU shape with no room
   may preempt lower-priority preemptible jobs here (it reserves their agent).
+
+While fair share is on (``FairShare``), a shape's single jobs lease in its
+order (each slot to the tenant with the least usage per weight), and the
+shape whose least such tenant is least leases first.
 
 ``lease()`` yields each leased batch; the caller delivers it before the next
 one is computed, since delivery changes what each agent has free. The rules
@@ -33,6 +36,7 @@ from typing import Any
 from gpuq import admin, batches, logs, metrics, placement, queue
 from gpuq.config import ServerConfig
 from gpuq.dispatcher.batching import Look, lease_formed
+from gpuq.dispatcher.fairshare import FairShare
 from gpuq.dispatcher.preempting import Preempting
 from gpuq.dispatcher.roster import Roster
 from gpuq.dispatcher.sessions import AgentSession, Sessions
@@ -44,8 +48,10 @@ log = logs.get("dispatcher")
 
 
 class Placing:
-    def __init__(self, pool: Any, config: ServerConfig, tuning: Tuning, roster: Roster):
+    def __init__(self, pool: Any, config: ServerConfig, tuning: Tuning, roster: Roster,
+                 fair: FairShare | None = None):
         self.pool, self.config, self.tuning, self.roster = pool, config, tuning, roster
+        self.fair = fair or FairShare(pool, tuning)  # while on, single jobs lease in its order
         self.shapes: dict[ShapeKey, Shape] = {}
         self._shapes_at, self._shapes_stale = -tuning.shapes_seconds, True
         self._short: set[ShapeKey] = set()  # shapes whose last lease came up short
@@ -80,6 +86,8 @@ class Placing:
         if self.config.warm_wait_seconds and any(shape.model for shape in self.shapes.values()):
             await self.roster.others()  # who holds which model warm elsewhere (throttled)
         work = [*self.shapes.items(), *(((k, ""), Shape.of_plain(k)) for k in self._limited_kinds)]
+        if self.fair.on:  # the shape with the least-used tenant waiting first (stable: else as read)
+            work.sort(key=lambda item: self.fair.least(item[1]))
         passes = [(warm_only, False) for warm_only in (True, False)]  # every shape's warm agents first
         passes += [(warm_only, True) for warm_only in (True, False)]  # then prefetch: ready on busy devices
         for warm_only, ready in passes:
@@ -122,6 +130,10 @@ class Placing:
                     if self._limited(shape):
                         single = await queue.lease_limited(self.pool, shape, slots, self.config.lease_seconds,
                                                            scan_keys=shape.keyed and self._key_limits)
+                    elif self.fair.on:
+                        single, more = await self.fair.lease_placed(shape, slots, self.config.lease_seconds)
+                        if more:  # tenants that ran out left slots, others may fill them: not short
+                            wanted -= len(slots) - len(single)
                     else:
                         single = await queue.lease_placed(self.pool, shape, slots, self.config.lease_seconds)
                 if single:

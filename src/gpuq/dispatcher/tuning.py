@@ -30,6 +30,12 @@ SHAPES_SECONDS_DEFAULT = 0.05
 # How often, at most, it reads the tenants' weights (whether fair share is on, so whether outcomes
 # charge usage): a change reaches a busy dispatcher's charging within this.
 FAIR_SHARE_SECONDS_DEFAULT = 1.0
+# While fair share is on, how many tenants without known work each lease also tries (rotating):
+# one that comes back is leased at once when it is among them, else at the next read.
+FAIR_PROBES_DEFAULT = 8
+# While fair share is on, how often at most a notification has the tenants with work read again
+# (a loose scan: one descent per kind, shape and tenant with work).
+FAIR_WAITING_SECONDS_DEFAULT = 0.05
 # How often it asks how long each multi-GPU shape's next job has waited (for reservations).
 RESERVE_CHECK_SECONDS_DEFAULT = 1.0
 # How often, at most, it looks for preemptible jobs to preempt for GPU shapes that found no room.
@@ -61,6 +67,8 @@ class Tuning:
     reserve_check_seconds: float = RESERVE_CHECK_SECONDS_DEFAULT
     preempt_check_seconds: float = PREEMPT_CHECK_SECONDS_DEFAULT
     fair_share_seconds: float = FAIR_SHARE_SECONDS_DEFAULT
+    fair_probes: int = FAIR_PROBES_DEFAULT
+    fair_waiting_seconds: float = FAIR_WAITING_SECONDS_DEFAULT
     progress_write_seconds: float = PROGRESS_WRITE_SECONDS_DEFAULT
     fleet_refresh_seconds: float = FLEET_REFRESH_SECONDS_DEFAULT
     fleet_stale_seconds: float = FLEET_STALE_SECONDS_DEFAULT

@@ -90,16 +90,15 @@ from gpuq.protocol.messages import (
     JobMessage,
     Jobs,
     Preempt,
-    Preempted,
     Release,
     ServerMessage,
     Update,
     Welcome,
     mark_cancelled,
-    mark_preempted,
 )
 from gpuq.protocol.parse import parse_client, parse_server
 from gpuq.protocol.slots import SlotClock
+from gpuq.protocol.yielding import Yielding
 
 
 class State(Enum):
@@ -108,7 +107,7 @@ class State(Enum):
     OPEN = "open"
 
 
-class AgentProtocol:
+class AgentProtocol(Yielding):
     def __init__(self, hello: Hello, clock: Callable[[], float] = time.monotonic):
         parse_client(encode(hello), 1 << 20)  # the server's rules, checked before connecting
         self.hello = hello
@@ -205,13 +204,6 @@ class AgentProtocol:
         elif isinstance(msg, Preempt):
             return self._preempt(msg)
         return msg
-
-    def _preempt(self, msg: Preempt) -> Preempt:
-        """Mark the named running jobs preempted, give back those that wait ready; the running ones."""
-        named, deadline = set(msg.ids), self.clock() + msg.deadline_seconds
-        self._give_back([unit for unit in self.waiting if named.intersection(job_ids(unit))])
-        return Preempt(_preempted([self.running[i] for i in msg.ids if i in self.running], lambda _: deadline),
-                       msg.deadline_seconds)
 
     def _end_waiting(self, cancelled: set[int]) -> set[int]:
         """Cancelled jobs that never started end here, before they start (a ready batch goes on
@@ -324,17 +316,6 @@ class AgentProtocol:
     def job_failed(self, job: JobMessage, error: str, retryable: bool) -> None:
         self._finish(job, encode(Failed(job.id, job.lease_token, error, retryable)))
 
-    def yield_running(self, within: float | None = None) -> tuple[int, ...]:
-        """The agent must leave (an interruption, SIGTERM): mark its running preemptible jobs preempted,
-        each to yield within its grace, or ``within`` seconds if sooner; their ids."""
-        now = self.clock()
-        return _preempted(list(self.running.values()), lambda job: None if job.grace_seconds is None else
-                          now + (job.grace_seconds if within is None else min(within, job.grace_seconds)))
-
-    def job_preempted(self, job: JobMessage) -> None:
-        """The job yielded to a ``preempt`` (version 9): back to pending, its attempt not counted."""
-        self._finish(job, encode(Preempted(job.id, job.lease_token)))
-
     def _finish(self, job: JobMessage, item: str) -> None:
         self.running.pop(job.id, None)
         self._progress.pop(job.id, None)  # the outcome says more
@@ -415,19 +396,6 @@ class AgentProtocol:
         out += pack_results(self._outcomes, self.max_frame, tuple(self._started))
         self._control, self._outcomes, self._started = [], [], []
         return out
-
-
-def _preempted(jobs: list[JobMessage], deadline: Callable[[JobMessage], float | None]) -> tuple[int, ...]:
-    """Mark each job preempted, by ``deadline(job)`` (None: not this one; one preempted already keeps
-    its deadline); the ids of those marked now or before."""
-    marked = []
-    for job in jobs:
-        at = None if job.preempted else deadline(job)
-        if at is not None:
-            mark_preempted(job, at)
-        if job.preempted:
-            marked.append(job.id)
-    return tuple(marked)
 
 
 def encode_outcome(job: JobMessage, result: Any, max_frame: int) -> str:

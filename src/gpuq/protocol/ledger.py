@@ -54,6 +54,7 @@ class Ledger:
         self.held: dict[int, tuple[str, str]] = {}  # job id -> (lease token, kind)
         self.devices_in_use: dict[int, tuple[int, ...]] = {}  # job id -> the devices it was pushed with
         self.started: set[int] = set()  # version 5: held jobs the agent said it started
+        self.started_at: dict[int, float] = {}  # version 5: when the started came (the clock of receive)
         self.held_models: dict[int, str] = {}  # job id -> the model it named (placed jobs that name one)
         self.batch = 0  # version 7: the most jobs one batch may hold (0: no batches)
         self.batch_of: dict[int, int] = {}  # held job id -> the number of the batch it was pushed in
@@ -199,6 +200,7 @@ class Ledger:
         had_devices = self.devices_in_use.pop(job_id, None) is not None
         self.held_models.pop(job_id, None)
         self.started.discard(job_id)
+        self.started_at.pop(job_id, None)
         number = self.batch_of.pop(job_id, None)
         if number is None:
             return True
@@ -211,25 +213,33 @@ class Ledger:
             self._batched_extra -= 1
         return False
 
-    def settle(self, outcomes: Iterable[Outcome]) -> tuple[list[tuple[Outcome, str]], int]:
+    def settle(self, outcomes: Iterable[Outcome],
+               now: float = 0.0) -> tuple[list[tuple[Outcome, str]], int, dict[int, float]]:
         """Free the credit (or devices) of each held job whose token matches: each outcome with its
-        job's kind (``UNKNOWN_KIND`` when not held here), and how many credits (or jobs' devices) were
-        freed: a batch's with its last outcome. Any other outcome
+        job's kind (``UNKNOWN_KIND`` when not held here), how many credits (or jobs' devices) were
+        freed (a batch's with its last outcome), and how long each job said started ran until ``now``
+        (version 5: its handler's run time, a prefetched job's wait not in it). Any other outcome
         still goes to the database (a resend after a reconnect can land): the token decides."""
-        held, items, freed = self.held, [], 0
+        held, items, freed, ran = self.held, [], 0, {}
         for msg in outcomes:
             entry = held.get(msg.id)
             if entry is not None and entry[0] == msg.lease_token:
+                if (at := self.started_at.get(msg.id)) is not None:
+                    ran[msg.id] = max(0.0, now - at)
                 freed += self._drop(msg.id)
                 items.append((msg, entry[1]))
             else:
                 items.append((msg, UNKNOWN_KIND))
-        return items, freed
+        return items, freed, ran
 
-    def mark_started(self, ids: Iterable[int]) -> None:
-        """The agent started these jobs (version 5); another connection's ids: nothing to track."""
-        held = self.held
-        self.started.update(i for i in ids if i in held)
+    def mark_started(self, ids: Iterable[int], now: float = 0.0) -> None:
+        """The agent started these jobs (version 5), told at ``now``; another connection's ids:
+        nothing to track."""
+        held, started, at = self.held, self.started, self.started_at
+        for i in ids:
+            if i in held and i not in started:
+                started.add(i)
+                at[i] = now
 
     def release(self, ids: Iterable[int]) -> tuple[tuple[int, str], ...]:
         """Give back held jobs the agent never started, as ``(id, lease_token)``; a started one stays

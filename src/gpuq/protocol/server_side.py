@@ -40,17 +40,14 @@ every rule of the connection lives here:
 - version 9: a pushed job carries its last checkpoint (``resume_from``) when
   it has one; the agent's ``checkpoint`` items count only for jobs held with
   that lease token: the others are answered ``refused`` at once, the held
-  ones once the dispatcher has written them (``send_checkpointed``). A
-  preemptible job is pushed with its ``grace_seconds``; ``preempt`` asks the
-  agent to yield held jobs by a deadline (never sent to an earlier
-  connection, which is never given preemptible jobs); a ``preempted``
-  outcome settles a job like any outcome (its credit is free), and is
-  refused (``unexpected``) on an earlier connection.
+  ones once the dispatcher has written them (``send_checkpointed``); a preemptible job is pushed
+  with its ``grace_seconds``, ``preempt`` asks the agent to yield held jobs by a deadline,
+  ``preempted`` settles a job like any outcome (``unexpected`` before version 9).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
@@ -120,10 +117,12 @@ class HelloReceived:
 
 @dataclass(frozen=True, slots=True)
 class OutcomesReceived:
-    """Outcomes to persist, each with its job's kind ('?' when not held here); ``freed`` credits."""
+    """Outcomes to persist, each with its job's kind ('?' when not held here); ``freed`` credits;
+    ``ran``: seconds each job ran from its ``started`` (version 5) to its outcome, as received."""
 
     outcomes: list[tuple[Outcome, str]]
     freed: int
+    ran: dict[int, float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,13 +296,12 @@ class ServerProtocol:
         raise ProtocolError(ErrorCode.UNEXPECTED, "hello was already received on this connection")
 
     def _outcomes(self, outcomes: tuple[Outcome, ...]) -> OutcomesReceived:
-        if self.version < PREEMPT_SINCE and any(isinstance(o, Preempted) for o in outcomes):
-            self._needs(PREEMPT_SINCE, "preempted")
-        return OutcomesReceived(*self.ledger.settle(outcomes))
+        self._needs(PREEMPT_SINCE if any(isinstance(o, Preempted) for o in outcomes) else 0, "preempted")
+        return OutcomesReceived(*self.ledger.settle(outcomes, self._now))
 
     def _started(self, ids: tuple[int, ...]) -> None:
         self._needs(PREFETCH_SINCE, "started")
-        self.ledger.mark_started(ids)
+        self.ledger.mark_started(ids, self._now)
 
     def _release(self, ids: tuple[int, ...]) -> list[Event]:
         """Give back held jobs the agent never started; a started one stays (its outcome will come)."""
@@ -373,8 +371,7 @@ class ServerProtocol:
         pushed: list[str] = []
         refused: list[Any] = []
         queued, traced = self.version >= SLOTS_SINCE, self.version >= TRACE_SINCE
-        resumes = self.version >= CHECKPOINT_SINCE
-        yielding = self.version >= PREEMPT_SINCE
+        resumes, yielding = self.version >= CHECKPOINT_SINCE, self.version >= PREEMPT_SINCE
         for unit in group(jobs):
             held = self._hold(unit)
             if held is None:
@@ -417,23 +414,18 @@ class ServerProtocol:
         """Tell the agent these jobs were cancelled: those this connection holds, if its version
         has ``cancel`` (a version 1 agent runs them to the end; fencing refuses the outcome).
         They stay held, and keep their credit, until the agent reports them."""
-        mine = self.ledger.held
-        held = [i for i in ids if i in mine]
-        if held and self.version >= CANCEL_SINCE and self.state is State.OPEN:
-            self._out.append(encode(Cancel(tuple(held))))
-            return held
-        return []
+        return self._tell(ids, CANCEL_SINCE, lambda held: Cancel(held))
 
     def preempt(self, ids: Iterable[int], deadline_seconds: float) -> list[int]:
-        """Ask the agent to yield these jobs by ``deadline_seconds`` from now: those this connection
-        holds, if its version has ``preempt`` (an earlier one is never given preemptible jobs). They
-        stay held, and keep their credit, until the agent reports them."""
-        mine = self.ledger.held
-        held = [i for i in ids if i in mine]
-        if held and self.version >= PREEMPT_SINCE and self.state is State.OPEN:
-            self._out.append(encode(Preempt(tuple(held), deadline_seconds)))
-            return held
-        return []
+        """Ask the agent to yield these jobs by ``deadline_seconds`` from now, as ``cancel`` tells (version 9)."""
+        return self._tell(ids, PREEMPT_SINCE, lambda held: Preempt(held, deadline_seconds))
+
+    def _tell(self, ids: Iterable[int], since: int, message: Callable[[tuple[int, ...]], Cancel | Preempt]) -> list[int]:
+        held = [i for i in ids if i in self.ledger.held]
+        if not held or self.version < since or self.state is not State.OPEN:
+            return []
+        self._out.append(encode(message(tuple(held))))
+        return held
 
     def send_drain(self, deadline_seconds: float) -> None:
         self._out.append(encode(ServerDrain(deadline_seconds)))

@@ -131,6 +131,117 @@ RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease
           (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms,  -- how long it was due
           j.traceparent, j.tracestate, j.checkpoint::text AS checkpoint_json;
 
+-- name: lease_fair
+-- Fair share on: lease up to cardinality($3) plain jobs of kinds $1 (not paused, no limit) by tickets $2: tenants in the order fair share gives slots ('default': jobs without a tenant). A tenant's n-th job (by priority then id, jobs_fair_idx) fills its n-th ticket; the first cardinality($3) tickets filled go to slots $3 in order.
+WITH leasable AS (  -- the kinds asked for that are not paused, with their default timeout
+    SELECT k.kind, t.timeout_seconds AS default_timeout
+    FROM unnest($1::text[]) AS k(kind)
+    LEFT JOIN gpuq.kind_timeouts t ON t.kind = k.kind
+    WHERE NOT EXISTS (SELECT 1 FROM gpuq.paused_kinds p WHERE p.kind = k.kind)
+      AND NOT EXISTS (SELECT 1 FROM gpuq.limits l WHERE l.scope = 'kind' AND l.name = k.kind)  -- lease_limited's
+), tickets AS (
+    SELECT t.tenant, t.ticket, row_number() OVER (PARTITION BY t.tenant ORDER BY t.ticket) AS nth
+    FROM unnest($2::text[]) WITH ORDINALITY AS t(tenant, ticket)
+), wanted AS (
+    SELECT tenant, count(*) AS n FROM tickets GROUP BY tenant
+), named AS (  -- a row may also name the default tenant
+    SELECT c.ctid, c.id, c.priority, w.tenant, k.default_timeout
+    FROM wanted w CROSS JOIN leasable k CROSS JOIN LATERAL (
+        SELECT ctid, id, priority FROM gpuq.jobs
+        WHERE status = 'pending' AND shape IS NULL AND kind = k.kind AND tenant = w.tenant
+        ORDER BY tenant, -priority, id  -- jobs_fair_idx's order: never jobs_pending_idx, filtering a flood
+        LIMIT w.n
+        FOR UPDATE SKIP LOCKED
+    ) c
+), unnamed AS (
+    SELECT c.ctid, c.id, c.priority, w.tenant, k.default_timeout
+    FROM (SELECT * FROM wanted WHERE tenant = 'default') w CROSS JOIN leasable k CROSS JOIN LATERAL (
+        SELECT ctid, id, priority FROM gpuq.jobs
+        WHERE status = 'pending' AND shape IS NULL AND kind = k.kind AND tenant IS NULL
+        ORDER BY tenant, -priority, id
+        LIMIT w.n
+        FOR UPDATE SKIP LOCKED
+    ) c
+), picked AS (
+    SELECT p.*, row_number() OVER (PARTITION BY p.tenant ORDER BY p.priority DESC, p.id) AS nth
+    FROM (SELECT * FROM named UNION ALL SELECT * FROM unnamed) AS p
+), assigned AS (
+    SELECT p.ctid, p.default_timeout, t.ticket, row_number() OVER (ORDER BY t.ticket) AS slot
+    FROM tickets t JOIN picked p ON p.tenant = t.tenant AND p.nth = t.nth
+    ORDER BY t.ticket
+    LIMIT cardinality($3::text[])
+)
+UPDATE gpuq.jobs j
+SET status = 'leased', attempts = j.attempts + 1, lease_token = gen_random_uuid(), leased_by = s.agent,
+    lease_expires_at = now() + make_interval(secs => $4), started_at = now(),
+    deadline_at = now() + make_interval(secs => coalesce(j.timeout_seconds, a.default_timeout))
+FROM assigned a
+JOIN unnest($3::text[]) WITH ORDINALITY AS s(agent, slot) ON s.slot = a.slot
+WHERE j.ctid = a.ctid
+RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token,
+          j.priority, j.leased_by, j.payload::text AS payload_json, a.slot, a.ticket,
+          coalesce(j.tenant, 'default') AS tenant,
+          coalesce(j.timeout_seconds, a.default_timeout) AS timeout_seconds,
+          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms,
+          j.traceparent, j.tracestate, j.checkpoint::text AS checkpoint_json;
+
+-- name: lease_placed_fair
+-- Fair share on: lease up to cardinality($4) pending jobs of kind $1 (not paused, no limit) and placement shape $2, none under a limited key, by tickets $3 (as lease_fair's; jobs_fair_placed_idx); the first cardinality($4) tickets filled go to slots $4 in order.
+WITH leasable AS (
+    SELECT (SELECT t.timeout_seconds FROM gpuq.kind_timeouts t WHERE t.kind = $1) AS default_timeout
+    WHERE NOT EXISTS (SELECT 1 FROM gpuq.paused_kinds p WHERE p.kind = $1)
+      AND NOT EXISTS (SELECT 1 FROM gpuq.limits l WHERE l.scope = 'kind' AND l.name = $1)
+), tickets AS (
+    SELECT t.tenant, t.ticket, row_number() OVER (PARTITION BY t.tenant ORDER BY t.ticket) AS nth
+    FROM unnest($3::text[]) WITH ORDINALITY AS t(tenant, ticket)
+), wanted AS (
+    SELECT tenant, count(*) AS n FROM tickets GROUP BY tenant
+), named AS (  -- a row may also name the default tenant
+    SELECT c.ctid, c.id, c.priority, w.tenant
+    FROM wanted w CROSS JOIN LATERAL (
+        SELECT ctid, id, priority FROM gpuq.jobs
+        WHERE status = 'pending' AND shape IS NOT NULL AND kind = $1 AND shape = $2 AND tenant = w.tenant
+          AND EXISTS (SELECT 1 FROM leasable)
+          AND (concurrency_key IS NULL
+               OR NOT EXISTS (SELECT 1 FROM gpuq.limits l WHERE l.scope = 'key' AND l.name = concurrency_key))
+        ORDER BY tenant, -priority, id
+        LIMIT w.n
+        FOR UPDATE SKIP LOCKED
+    ) c
+), unnamed AS (
+    SELECT c.ctid, c.id, c.priority, w.tenant
+    FROM (SELECT * FROM wanted WHERE tenant = 'default') w CROSS JOIN LATERAL (
+        SELECT ctid, id, priority FROM gpuq.jobs
+        WHERE status = 'pending' AND shape IS NOT NULL AND kind = $1 AND shape = $2 AND tenant IS NULL
+          AND EXISTS (SELECT 1 FROM leasable)
+          AND (concurrency_key IS NULL
+               OR NOT EXISTS (SELECT 1 FROM gpuq.limits l WHERE l.scope = 'key' AND l.name = concurrency_key))
+        ORDER BY tenant, -priority, id
+        LIMIT w.n
+        FOR UPDATE SKIP LOCKED
+    ) c
+), picked AS (
+    SELECT p.*, row_number() OVER (PARTITION BY p.tenant ORDER BY p.priority DESC, p.id) AS nth
+    FROM (SELECT * FROM named UNION ALL SELECT * FROM unnamed) AS p
+), assigned AS (
+    SELECT p.ctid, t.ticket, row_number() OVER (ORDER BY t.ticket) AS slot
+    FROM tickets t JOIN picked p ON p.tenant = t.tenant AND p.nth = t.nth
+    ORDER BY t.ticket
+    LIMIT cardinality($4::text[])
+)
+UPDATE gpuq.jobs j
+SET status = 'leased', attempts = j.attempts + 1, lease_token = gen_random_uuid(), leased_by = s.agent,
+    lease_expires_at = now() + make_interval(secs => $5), started_at = now(),
+    deadline_at = now() + make_interval(secs => coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)))
+FROM assigned a
+JOIN unnest($4::text[]) WITH ORDINALITY AS s(agent, slot) ON s.slot = a.slot
+WHERE j.ctid = a.ctid
+RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token, j.priority, j.leased_by,
+          j.payload::text AS payload_json, a.slot, a.ticket, coalesce(j.tenant, 'default') AS tenant,
+          coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds,
+          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.traceparent, j.tracestate, j.checkpoint::text AS checkpoint_json,
+          j.grace_seconds;
+
 -- name: lease_placed
 -- Lease up to cardinality($3) pending jobs of kind $1 (not paused, no limit) and placement shape $2, by priority and id, none under a limited key; the i-th goes to slot $3[i].
 WITH leasable AS (
@@ -309,6 +420,44 @@ LEFT JOIN used u ON u.tenant = n.tenant
 LEFT JOIN running r ON r.tenant = n.tenant
 ORDER BY n.tenant;
 
+-- name: fair_state
+-- Fair share on: each tenant with a weight, usage or running jobs: its weight (1 without a row), usage, attempts and floor decayed to now, and what each of its running jobs has charged so far (jobs_leased_idx). O(tenants + running), never history.
+WITH h AS (
+    SELECT gpuq.half_life() AS hl
+), used AS (
+    SELECT u.tenant, gpuq.decayed(u.usage, u.usage_at, h.hl) AS usage, gpuq.decayed(u.attempts, u.usage_at, h.hl) AS attempts,
+           gpuq.decayed(u.usage_floor, u.usage_at, h.hl) AS usage_floor
+    FROM gpuq.tenant_usage u CROSS JOIN h
+), running AS (
+    SELECT coalesce(tenant, 'default') AS tenant, array_agg(gpuq.gpu_seconds(started_at, now(), gpus, batch_size)) AS charges
+    FROM gpuq.jobs WHERE status = 'leased' GROUP BY 1
+), names AS (
+    SELECT name AS tenant FROM gpuq.tenants UNION SELECT tenant FROM used UNION SELECT tenant FROM running
+)
+SELECT n.tenant, coalesce(w.weight, 1)::float8 AS weight, coalesce(u.usage, 0)::float8 AS usage,
+       coalesce(u.attempts, 0)::float8 AS attempts, coalesce(u.usage_floor, 0)::float8 AS usage_floor,
+       coalesce(r.charges, '{}')::float8[] AS running
+FROM names n
+LEFT JOIN gpuq.tenants w ON w.name = n.tenant
+LEFT JOIN used u ON u.tenant = n.tenant
+LEFT JOIN running r ON r.tenant = n.tenant;
+
+-- name: fair_waiting
+-- Every (kind, shape, tenant) with jobs pending (shape NULL: plain jobs; 'default': jobs without a tenant): loose scans of jobs_fair_idx and jobs_fair_placed_idx, O(shapes + triples with work).
+SELECT kind, NULL AS shape, coalesce(tenant, 'default') AS tenant FROM gpuq.tenants_waiting()
+UNION ALL
+SELECT kind, shape, coalesce(tenant, 'default') FROM gpuq.tenants_waiting_placed();
+
+-- name: tenant_lift
+-- Tenants $1, back from idle, count as having used at least $2 GPU-seconds, decayed from now on like their usage (tenants in name order, as the charges lock them).
+INSERT INTO gpuq.tenant_usage AS u (tenant, usage_floor, usage_at)
+SELECT f.tenant, f.usage_floor, now() FROM unnest($1::text[], $2::float8[]) AS f(tenant, usage_floor) ORDER BY 1
+ON CONFLICT (tenant) DO UPDATE
+SET usage = gpuq.decayed(u.usage, u.usage_at, (SELECT gpuq.half_life())),
+    attempts = gpuq.decayed(u.attempts, u.usage_at, (SELECT gpuq.half_life())),
+    usage_floor = greatest(gpuq.decayed(u.usage_floor, u.usage_at, (SELECT gpuq.half_life())), excluded.usage_floor),
+    usage_at = greatest(u.usage_at, excluded.usage_at);
+
 -- name: limits
 -- Every limit, with the jobs leased under it now (jobs_leased_idx for a kind, jobs_running_key_idx for a key).
 SELECT l.scope, l.name, l.max_running,
@@ -462,18 +611,20 @@ RETURNING j.id, j.status, j.run_at
 SELECT id, status, run_at FROM failed WHERE (SELECT count(*) FROM told) >= 0;
 
 -- name: complete_many_charged
--- complete_many while fair share is on (gpuq.tenants has a row): each job's GPU-seconds also go to its tenant's decayed usage (one upsert, tenants in name order).
+-- complete_many while fair share is on (gpuq.tenants has a row): each job's GPU-seconds (its run time $4 where known, else since its lease) also go to its tenant's decayed usage (one upsert, tenants in name order).
 WITH done AS (
     UPDATE gpuq.jobs j
     SET status = 'done', result = d.result::jsonb, finished_at = now(), lease_expires_at = NULL
-    FROM unnest($1::bigint[], $2::uuid[], $3::text[]) AS d(id, token, result)
+    FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::float8[]) AS d(id, token, result, ran)
     WHERE j.id = d.id AND j.status::text = 'leased' AND j.lease_token = d.token
-    RETURNING j.id, j.tenant, gpuq.gpu_seconds(j.started_at, now(), j.gpus, j.batch_size) AS charge
+    RETURNING j.id, j.tenant, gpuq.gpu_seconds(j.started_at, now(), j.gpus, j.batch_size, d.ran) AS charge
 ), charged AS (
-    INSERT INTO gpuq.tenant_usage AS u (tenant, usage, usage_at)
-    SELECT coalesce(tenant, 'default'), sum(charge), now() FROM done GROUP BY 1 ORDER BY 1
+    INSERT INTO gpuq.tenant_usage AS u (tenant, usage, attempts, usage_at)
+    SELECT coalesce(tenant, 'default'), sum(charge), count(*) FILTER (WHERE charge > 0), now() FROM done GROUP BY 1 ORDER BY 1
     ON CONFLICT (tenant) DO UPDATE
     SET usage = gpuq.decayed(u.usage, u.usage_at, (SELECT gpuq.half_life())) + excluded.usage,
+        attempts = gpuq.decayed(u.attempts, u.usage_at, (SELECT gpuq.half_life())) + excluded.attempts,
+        usage_floor = gpuq.decayed(u.usage_floor, u.usage_at, (SELECT gpuq.half_life())),
         usage_at = greatest(u.usage_at, excluded.usage_at)
 ), told AS (  -- one NOTIFY per 300 ids (its payload limit), in this transaction: sent when it commits
     SELECT pg_notify('gpuq_outcomes', string_agg(id::text, ',')) FROM (
@@ -482,9 +633,9 @@ WITH done AS (
 SELECT id FROM done WHERE (SELECT count(*) FROM told) >= 0;
 
 -- name: fail_many_charged
--- fail_many while fair share is on (gpuq.tenants has a row): each attempt's GPU-seconds also go to its tenant's decayed usage (one upsert, tenants in name order).
+-- fail_many while fair share is on (gpuq.tenants has a row): each attempt's GPU-seconds (its run time $8 where known, else since its lease) also go to its tenant's decayed usage (one upsert, tenants in name order).
 WITH f AS (
-    SELECT * FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::bool[]) AS f(id, token, error, retryable)
+    SELECT * FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::bool[], $8::float8[]) AS f(id, token, error, retryable, ran)
 ), failed AS (
 UPDATE gpuq.jobs j
 SET status = CASE WHEN f.retryable AND j.attempts < j.max_attempts
@@ -497,12 +648,14 @@ SET status = CASE WHEN f.retryable AND j.attempts < j.max_attempts
     last_error = f.error, lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
 FROM f
 WHERE j.id = f.id AND j.status::text = 'leased' AND j.lease_token = f.token
-RETURNING j.id, j.status, j.run_at, j.tenant, gpuq.gpu_seconds(j.started_at, now(), j.gpus, j.batch_size) AS charge
+RETURNING j.id, j.status, j.run_at, j.tenant, gpuq.gpu_seconds(j.started_at, now(), j.gpus, j.batch_size, f.ran) AS charge
 ), charged AS (
-    INSERT INTO gpuq.tenant_usage AS u (tenant, usage, usage_at)
-    SELECT coalesce(tenant, 'default'), sum(charge), now() FROM failed GROUP BY 1 ORDER BY 1
+    INSERT INTO gpuq.tenant_usage AS u (tenant, usage, attempts, usage_at)
+    SELECT coalesce(tenant, 'default'), sum(charge), count(*) FILTER (WHERE charge > 0), now() FROM failed GROUP BY 1 ORDER BY 1
     ON CONFLICT (tenant) DO UPDATE
     SET usage = gpuq.decayed(u.usage, u.usage_at, (SELECT gpuq.half_life())) + excluded.usage,
+        attempts = gpuq.decayed(u.attempts, u.usage_at, (SELECT gpuq.half_life())) + excluded.attempts,
+        usage_floor = gpuq.decayed(u.usage_floor, u.usage_at, (SELECT gpuq.half_life())),
         usage_at = greatest(u.usage_at, excluded.usage_at)
 ), told AS (
     SELECT pg_notify('gpuq_outcomes', string_agg(id::text, ',')) FROM (
@@ -556,11 +709,13 @@ WITH moved AS (
     RETURNING j.id, j.kind, j.status, j.tenant,
               CASE WHEN picked.started THEN gpuq.gpu_seconds(j.started_at, now(), j.gpus, j.batch_size) ELSE 0 END AS charge
 ), charged AS (  -- only while fair share is on (gpuq.tenants has a row)
-    INSERT INTO gpuq.tenant_usage AS u (tenant, usage, usage_at)
-    SELECT coalesce(tenant, 'default'), sum(charge), now() FROM moved
+    INSERT INTO gpuq.tenant_usage AS u (tenant, usage, attempts, usage_at)
+    SELECT coalesce(tenant, 'default'), sum(charge), count(*) FILTER (WHERE charge > 0), now() FROM moved
     WHERE EXISTS (SELECT 1 FROM gpuq.tenants) GROUP BY 1 ORDER BY 1
     ON CONFLICT (tenant) DO UPDATE
     SET usage = gpuq.decayed(u.usage, u.usage_at, (SELECT gpuq.half_life())) + excluded.usage,
+        attempts = gpuq.decayed(u.attempts, u.usage_at, (SELECT gpuq.half_life())) + excluded.attempts,
+        usage_floor = gpuq.decayed(u.usage_floor, u.usage_at, (SELECT gpuq.half_life())),
         usage_at = greatest(u.usage_at, excluded.usage_at)
 )
 SELECT id, kind, status FROM moved;
@@ -630,11 +785,13 @@ WITH moved AS (
     RETURNING j.id, j.kind, j.status, j.tenant,
               gpuq.gpu_seconds(j.started_at, picked.lease_expires_at, j.gpus, j.batch_size) AS charge
 ), charged AS (  -- only while fair share is on (gpuq.tenants has a row)
-    INSERT INTO gpuq.tenant_usage AS u (tenant, usage, usage_at)
-    SELECT coalesce(tenant, 'default'), sum(charge), now() FROM moved
+    INSERT INTO gpuq.tenant_usage AS u (tenant, usage, attempts, usage_at)
+    SELECT coalesce(tenant, 'default'), sum(charge), count(*) FILTER (WHERE charge > 0), now() FROM moved
     WHERE EXISTS (SELECT 1 FROM gpuq.tenants) GROUP BY 1 ORDER BY 1
     ON CONFLICT (tenant) DO UPDATE
     SET usage = gpuq.decayed(u.usage, u.usage_at, (SELECT gpuq.half_life())) + excluded.usage,
+        attempts = gpuq.decayed(u.attempts, u.usage_at, (SELECT gpuq.half_life())) + excluded.attempts,
+        usage_floor = gpuq.decayed(u.usage_floor, u.usage_at, (SELECT gpuq.half_life())),
         usage_at = greatest(u.usage_at, excluded.usage_at)
 )
 SELECT id, kind, status FROM moved;
@@ -656,11 +813,13 @@ WITH over AS (
     WHERE j.id = over.id
     RETURNING j.id, j.kind, j.status, j.tenant, gpuq.gpu_seconds(j.started_at, now(), j.gpus, j.batch_size) AS charge
 ), charged AS (  -- only while fair share is on (gpuq.tenants has a row)
-    INSERT INTO gpuq.tenant_usage AS u (tenant, usage, usage_at)
-    SELECT coalesce(tenant, 'default'), sum(charge), now() FROM moved
+    INSERT INTO gpuq.tenant_usage AS u (tenant, usage, attempts, usage_at)
+    SELECT coalesce(tenant, 'default'), sum(charge), count(*) FILTER (WHERE charge > 0), now() FROM moved
     WHERE EXISTS (SELECT 1 FROM gpuq.tenants) GROUP BY 1 ORDER BY 1
     ON CONFLICT (tenant) DO UPDATE
     SET usage = gpuq.decayed(u.usage, u.usage_at, (SELECT gpuq.half_life())) + excluded.usage,
+        attempts = gpuq.decayed(u.attempts, u.usage_at, (SELECT gpuq.half_life())) + excluded.attempts,
+        usage_floor = gpuq.decayed(u.usage_floor, u.usage_at, (SELECT gpuq.half_life())),
         usage_at = greatest(u.usage_at, excluded.usage_at)
 )
 SELECT id, kind, status FROM moved;
