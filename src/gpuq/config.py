@@ -108,7 +108,7 @@ class Setting:
 
 
 _DB_COMMANDS = ("migrate", "serve", "sweep", "enqueue", "status", "jobs", "pause", "resume", "retry", "cancel", "preempt", "show",
-                "wait", "schedule", "kind-timeout", "limit", "batch", "tenant")
+                "wait", "schedule", "kind-timeout", "limit", "batch", "tenant", "device")
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("database_url", "DATABASE_URL", None, parse_text, "PostgreSQL DSN",
@@ -168,6 +168,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("preempt_min_run_seconds", "GPUQ_PREEMPT_MIN_RUN", 60.0, parse_duration,
             "a GPU job that finds no free devices may preempt lower-priority preemptible jobs that ran at "
             "least this long", {SERVE: "--preempt-min-run"}),
+    Setting("quarantine_faults", "GPUQ_QUARANTINE_FAULTS", 3, parse_int,
+            "a GPU whose jobs raise DeviceError this many times within GPUQ_QUARANTINE_WINDOW is "
+            "quarantined: no new job goes there until `gpuq device clear` (an Xid or uncorrectable ECC "
+            "error an agent reads through NVML quarantines it at once)", {SERVE: "--quarantine-faults"}),
+    Setting("quarantine_window_seconds", "GPUQ_QUARANTINE_WINDOW", 600.0, parse_duration,
+            "the window in which a GPU's DeviceError faults count toward GPUQ_QUARANTINE_FAULTS",
+            {SERVE: "--quarantine-window"}),
     Setting("sweep_seconds", "GPUQ_SWEEP_SECONDS", 2.0, parse_duration,
             "interval of the maintenance services (reclaim, promote, retention)",
             {"sweep": "--interval"}, used_by="serve, sweep"),
@@ -314,10 +321,13 @@ class ServerConfig:
     reserve_after_seconds: float = default("reserve_after_seconds")
     warm_wait_seconds: float = default("warm_wait_seconds")
     preempt_min_run_seconds: float = default("preempt_min_run_seconds")
+    quarantine_faults: int = default("quarantine_faults")
+    quarantine_window_seconds: float = default("quarantine_window_seconds")
 
     def __post_init__(self) -> None:
         for name in ("lease_seconds", "heartbeat_seconds", "poll_seconds", "busy_poll_seconds", "sweep_seconds", "drain_seconds",
-                     "reserve_after_seconds", "ui_sample_seconds", "metrics_sample_seconds"):
+                     "reserve_after_seconds", "ui_sample_seconds", "metrics_sample_seconds",
+                     "quarantine_window_seconds"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
         if self.heartbeat_seconds >= self.lease_seconds:
@@ -334,7 +344,8 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be 0 or more, not {getattr(self, name)}")
         if self.max_payload < 1024:
             raise ConfigError(f"max_payload must be at least 1024 bytes, not {self.max_payload}")
-        for name in ("max_batch", "max_connections", "max_connections_per_ip", "max_messages_per_second"):
+        for name in ("max_batch", "max_connections", "max_connections_per_ip", "max_messages_per_second",
+                     "quarantine_faults"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, not {getattr(self, name)}")
 

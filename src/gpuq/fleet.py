@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gpuq import admin
+from gpuq import admin, quarantine
 from gpuq.dispatcher import AgentSession, Dispatcher
 from gpuq.latency import JobLatency
 from gpuq.protocol import slots
@@ -80,11 +80,11 @@ class Fleet:
 
     def devices(self) -> list[tuple[str, Any, Any]]:
         """(agent, devices, usage) of every agent, for the GPU gauges on /metrics."""
-        return [(s.id, s.devices, s.protocol.ledger.usage) for s in self._d.sessions]
+        return [(s.id, s.protocol.ledger.devices, s.protocol.ledger.usage) for s in self._d.sessions]
 
     async def status(self) -> dict[str, Any]:
         """The body of ``/status``: live counts from the partial indexes, agents, limits, batching
-        policies, tenants' usage and shares, unplaceable jobs."""
+        policies, tenants' usage and shares, unplaceable jobs, quarantined devices."""
         counts = await admin.status_counts(self.pool)
         body = counts.as_dict()
         body["agents"] = self.agents()
@@ -92,6 +92,7 @@ class Fleet:
         body["limits"] = await admin.limits(self.pool)
         body["batching"] = [{k: v for k, v in p.items() if k != "updated_at"} for p in await admin.batching(self.pool)]
         body["tenants"] = [t.as_dict() for t in await admin.tenants(self.pool)]  # [] while fair share is off
+        body["quarantined"] = await quarantine.listing(self.pool)  # every server's agents' (gpuq device clear)
         body["agents_connected"] = self.agent_count
         body["slots"] = self.busy()
         return body

@@ -81,6 +81,14 @@ class NewJob:
         if self.tenant is not None:
             check_tenant(self.tenant)
 
+    @staticmethod
+    def yields(jobs: Sequence[NewJob]) -> tuple[list[Any] | None, ...]:
+        """The insert's preemption arrays (preemptible, grace_seconds, max_preemptions): NULL arrays
+        where no job is preemptible (unnest pads them with NULLs)."""
+        if not any(j.preemptible for j in jobs):
+            return None, None, None
+        return [j.preemptible for j in jobs], [float(j.grace_seconds) for j in jobs], [j.max_preemptions for j in jobs]
+
     @classmethod
     def from_mapping(cls, given: Mapping[str, Any]) -> NewJob:
         """A job from loose fields: NewJob's own names, or ``delay`` and ``timeout`` for
@@ -198,6 +206,8 @@ class LeasedJob:
     # The producer's trace (None: none), pushed to agents of protocol 8 (docs/design.md, "Tracing").
     trace: TraceContext | None = None
     grace_seconds: float | None = None  # a preemptible job's time to yield (pushed to agents of protocol 9)
+    # Placed jobs: the devices ('agent:index') its last attempt failed on; placement avoids them when it can.
+    failed_devices: tuple[str, ...] = ()
     # The job's last checkpoint as PostgreSQL's JSON text (None: none), pushed to agents of protocol 9
     # as ``resume_from`` (docs/design.md, "Checkpoints"); spliced like the payload.
     resume_json: str | None = None

@@ -20,7 +20,11 @@ placement"):
   frees), warm agents first, cold ones only for a model warm nowhere;
 - an agent reserved for a multi-GPU shape (its next job waited past
   ``reserve_after_seconds``) gives its devices to that shape alone, so
-  single-GPU jobs cannot keep it from ever having enough free at once.
+  single-GPU jobs cannot keep it from ever having enough free at once;
+- quarantined devices (``gpuq.quarantine``) are not the agent's to give: a
+  session's ``devices`` and free devices leave them out;
+- a job whose last attempt failed on some devices goes to others when a
+  lease's agents have enough free (``elsewhere``), else back to those.
 """
 
 from __future__ import annotations
@@ -117,6 +121,43 @@ def reserve(shape: Shape, agents: Iterable[Candidate], taken: Iterable[str]) -> 
     if not fits:
         return None
     return max(fits, key=lambda a: len(a.free_devices(shape.gpu_memory_mb or 0))).id
+
+
+class Retried(Protocol):
+    """What ``elsewhere`` reads of a leased job (``jobs.LeasedJob``)."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def leased_by(self) -> str: ...
+    @property
+    def failed_devices(self) -> tuple[str, ...]: ...  # 'agent:index' of the devices its last attempt failed on
+
+
+def elsewhere(jobs: Sequence[Retried], slots: Sequence[str], free: Mapping[str, Sequence[int]],
+              names: Mapping[str, str], gpus: int) -> dict[int, str]:
+    """Jobs of one lease whose last attempt failed on devices that the agent the lease chose would
+    give them again, moved to an agent with ``gpus`` other ``free`` devices: job id -> that agent.
+    ``slots``: the lease's (job i took slot i; the rest went unused); ``names``: agent id -> its
+    name. Into an unused slot first, else in exchange with a job that may go anywhere; a job with
+    nowhere else to go stays (it runs on those devices again rather than wait)."""
+    def fits(job: Retried, sid: str) -> bool:
+        avoid = set(job.failed_devices)
+        return sum(f"{names.get(sid)}:{i}" not in avoid for i in free.get(sid, ())) >= gpus
+
+    at = {j.id: j.leased_by for j in jobs}
+    spare = list(slots[len(jobs):])
+    for job in jobs:
+        here = at[job.id]
+        if not job.failed_devices or fits(job, here):
+            continue
+        if (n := next((n for n, sid in enumerate(spare) if sid != here and fits(job, sid)), None)) is not None:
+            at[job.id], spare[n] = spare[n], here
+            continue
+        other = next((k for k in jobs if not k.failed_devices and at[k.id] != here and fits(job, at[k.id])), None)
+        if other is not None:
+            at[job.id], at[other.id] = at[other.id], here
+    return {j.id: at[j.id] for j in jobs if at[j.id] != j.leased_by}
 
 
 def _round_robin(columns: Sequence[list[str]]) -> list[str]:

@@ -184,6 +184,7 @@ class AgentServer:
         proto.accept(Welcome(session.id, self.config.lease_seconds, self.config.heartbeat_seconds,
                              self.config.max_payload, proto.version))
         await _send_all(ws, proto)
+        await self.dispatcher.admit(session)
         self.dispatcher.register(session)
         try:
             async with anyio.create_task_group() as tg:
@@ -221,6 +222,8 @@ class AgentServer:
         d = self.dispatcher
         if isinstance(event, server_side.OutcomesReceived):
             # Fenced in the database by the lease token; acked either way.
+            if event.failed_on:
+                d.failed_on(session, event.failed_on)
             d.submit(session, event.outcomes, event.freed, event.ran)
         elif isinstance(event, server_side.HeartbeatReceived):
             d.heartbeat(session, event.ids)
@@ -234,6 +237,8 @@ class AgentServer:
             d.agent_updated(session)
         elif isinstance(event, server_side.JobsReleased):
             d.released(session, event.jobs)
+        elif isinstance(event, server_side.DeviceFaulted):
+            d.device_fault(session, event.fault)
         elif isinstance(event, server_side.SlotsReported):
             metrics.SLOT_GAPS.add(event.report)
         else:

@@ -60,6 +60,7 @@ from gpuq.protocol import (
     Checkpoint,
     Checkpointed,
     Device,
+    DeviceFault,
     Done,
     Failed,
     Hello,
@@ -98,8 +99,7 @@ class Update:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """What the agent reports for one job: ``done`` with a result, ``failed`` with an error, or
-    ``preempted`` (it yielded to ``Run.preempt()``: the server puts it back, its attempt not counted).
+    """What the agent reports for one job: ``done`` with a result, or ``failed`` with an error.
 
     ``result``: as the server stores it (after a JSON round trip: a tuple comes back a list).
     ``error``: the text stored as the job's ``last_error`` (the traceback's last frames, or
@@ -112,7 +112,7 @@ class Outcome:
     """
 
     job: Job
-    status: str  # "done", "failed" or "preempted"
+    status: str  # "done", "failed", or "preempted" (it yielded to Run.preempt(): back to pending, not counted)
     result: Any = None
     error: str | None = None
     retryable: bool = False
@@ -128,10 +128,6 @@ class Outcome:
     @property
     def failed(self) -> bool:
         return self.status == "failed"
-
-    @property
-    def preempted(self) -> bool:
-        return self.status == "preempted"
 
     @property
     def permanent(self) -> bool:
@@ -166,11 +162,9 @@ class Run:
             self._agent.cancel(self.job.id)
 
     def preempt(self, grace_seconds: float = 30.0) -> None:
-        """Ask the job to yield as the server does (``gpuq preempt``): ``job.preempted`` turns true;
-        an async handler still running ``grace_seconds`` later is cancelled; a job not started yet
-        goes back at once. Nothing once it ended."""
+        """Ask the job to yield as the server does (``gpuq preempt``); nothing once it ended."""
         if not self._outcome.done():
-            self._agent.preempt(self.job.id, grace_seconds)
+            self._loop.call_soon(self._agent._preempt, self.job.id, grace_seconds)
 
     async def progressed(self, count: int = 1) -> Update:
         """Wait for the handler's ``count``-th progress update, and return it; ``AssertionError``
@@ -213,8 +207,7 @@ class Run:
         self.checkpoints.append(data)
         self._loop.call_soon_threadsafe(self._changed)
 
-    def _finish(self, reported: Done | Failed | Preempted | None) -> None:
-        """Its outcome (None: given back unstarted, after a preempt)."""
+    def _finish(self, reported: Done | Failed | Preempted | None) -> None:  # None: given back unstarted
         if isinstance(reported, Done):
             status, result, error, retryable = "done", reported.result, None, False
         elif reported is None or isinstance(reported, Preempted):
@@ -236,7 +229,8 @@ class LocalAgent:
     """An agent without a connection: jobs built in memory go to its slots, and their outcomes to
     ``Run`` objects. ``handler`` takes single jobs, ``batch_handler`` batches (and single jobs when
     there is no ``handler``), as with ``gpuq.agent.Agent``; both async, or both sync. ``devices``:
-    the GPUs jobs may be given, ``Device`` objects or a count of stand-ins (0, 1, ...).
+    the GPUs jobs may be given, ``Device`` objects or a count of stand-ins (0, 1, ...); ``faults``:
+    the devices a handler's ``DeviceError`` reported, as the server would get them (``DeviceFault``).
     ``max_payload``: the server's frame limit (a larger result fails permanently).
     ``checkpoint_seconds``: each job's checkpoints go out at most this often (the agent's option)."""
 
@@ -255,6 +249,7 @@ class LocalAgent:
         self.protocol = self._slots.protocol
         self.max_payload = max_payload
         self._runs: dict[int, Run] = {}  # job id -> its run, every job started
+        self.faults: list[DeviceFault] = []  # what the agent reported of its devices (a handler's DeviceError)
         self._last_batch = 0
         self._tasks: TaskGroup | None = None
         self._exit = contextlib.AsyncExitStack()
@@ -311,11 +306,8 @@ class LocalAgent:
         push's task runs first: the event loop runs callbacks in order)."""
         asyncio.get_running_loop().call_soon(self._cancel, job_id)
 
-    def preempt(self, job_id: int, grace_seconds: float) -> None:
-        """What the agent does on the server's ``preempt``, as the connection's next frame."""
-        asyncio.get_running_loop().call_soon(self._preempt, job_id, grace_seconds)
-
     def _preempt(self, job_id: int, grace_seconds: float) -> None:
+        """What the agent does on the server's ``preempt`` (``Run.preempt``: the connection's next frame)."""
         preempt = self.protocol.receive(encode(Preempt((job_id,), grace_seconds)))
         assert isinstance(preempt, Preempt)
         self._slots.preempt(preempt.ids, preempt.deadline_seconds)
@@ -373,9 +365,10 @@ class LocalAgent:
         server refuses a cancelled job's)."""
         for frame in self.protocol.frames_to_send():
             msg = parse_client(frame, self.max_payload)
-            if isinstance(msg, Release):
-                for job_id in msg.ids:
-                    self._runs[job_id]._finish(None)
+            for job_id in msg.ids if isinstance(msg, Release) else ():  # never started: given back
+                self._runs[job_id]._finish(None)
+            if isinstance(msg, DeviceFault):
+                self.faults.append(msg)
             if isinstance(msg, Checkpoint):
                 self._store(msg)
             outcomes = msg.outcomes if isinstance(msg, Results) else ()

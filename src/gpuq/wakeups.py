@@ -7,8 +7,10 @@ trigger of migration 0005 and the statements of ``sql/queries.sql``):
   while a dispatcher waits), ``kind@priority`` (inserted above a lease
   floor), ``kind!`` (moved back to pending, behind any cursor), ``kind``,
   ``*`` (anything, anywhere), ``cancel:ID,...`` (``CANCEL_PREFIX``: stop
-  these leased jobs), or ``preempt:GRACE:ID,...`` (``PREEMPT_PREFIX``, from
-  ``gpuq.preempt()``: these leased jobs must yield within GRACE seconds);
+  these leased jobs), ``preempt:GRACE:ID,...`` (``PREEMPT_PREFIX``, from
+  ``gpuq.preempt()``: these leased jobs must yield within GRACE seconds), or
+  ``quarantine:AGENT`` (``QUARANTINE_PREFIX``: the quarantine of that agent's
+  devices changed, migration 0022);
 - ``gpuq_outcomes`` and ``gpuq_progress``, to ``gpuq.wait``: comma-joined ids.
 
 The handshake (docs/design.md, "Wake-ups"): a dispatcher arms the wake-up
@@ -27,6 +29,7 @@ OUTCOMES_CHANNEL = "gpuq_outcomes"  # job ids that ended (done, dead, cancelled)
 PROGRESS_CHANNEL = "gpuq_progress"  # job ids whose progress was written: what gpuq.wait(on_progress=) listens to
 CANCEL_PREFIX = "cancel:"  # gpuq.cancel() announces leased jobs it cancelled: 'cancel:41,42'
 PREEMPT_PREFIX = "preempt:"  # gpuq.preempt() asks leased jobs to yield: 'preempt:30:41,42' (30 s of grace)
+QUARANTINE_PREFIX = "quarantine:"  # a device of that agent was quarantined or cleared: 'quarantine:box-1'
 _IDS_PER_NOTIFY = 300  # ids of up to 19 digits stay under NOTIFY's 8000-byte payload
 _MAX_KINDS_PAYLOAD = 7000  # longer lists of kinds go as '*'
 

@@ -11,7 +11,7 @@ from gpuq.config import ConfigError
 from gpuq.runtime import use_uvloop
 
 SUBCOMMANDS = ["migrate", "serve", "sweep", "agent", "enqueue", "status", "jobs", "show", "cancel", "preempt", "pause", "resume",
-               "retry", "schedule", "wait", "kind-timeout", "limit", "batch", "tenant", "dev", "bench"]
+               "retry", "schedule", "wait", "kind-timeout", "limit", "batch", "tenant", "device", "dev", "bench"]
 
 
 def gpuq(*args, env=None, stdin=None, timeout=60):

@@ -234,3 +234,25 @@ async def test_a_tenant_new_to_the_server_is_leased_for_when_its_first_job_is_an
         await dispatcher_idle()
         await queue.enqueue_many(pool, [NewJob("train", {"t": "newcomer"}, tenant="newcomer")])
         await wait_for(lambda: ran == ["newcomer"], timeout=5)
+
+
+async def test_two_servers_share_by_weight_from_the_state_in_the_database(dsn, pool):
+    """Two servers on one database, an agent each: together their agents run a's and b's jobs at
+    3 : 1. Each reads usage and floors from PostgreSQL (every 0.2 s here) and leases with SKIP LOCKED."""
+    ran: list[str] = []
+
+    async def record(job) -> None:
+        ran.append(job.payload["t"])
+        await anyio.sleep(0.02)
+
+    await admin.set_tenant(pool, "a", 3)
+    await admin.set_tenant(pool, "b", 1)
+    for tenant in "ab":
+        await queue.enqueue_many(pool, [NewJob("train", {"t": tenant}, tenant=tenant) for _ in range(150)])
+    tuning = Tuning(fair_share_seconds=0.2)
+    async with running_server(dsn, tuning=tuning) as one, running_server(dsn, tuning=tuning) as two:
+        await one.agent(["train"], 2, record, "one-box")
+        await two.agent(["train"], 2, record, "two-box")
+        await wait_for(lambda: len(ran) >= 120, timeout=20)
+    first = Counter(ran[:120])
+    assert 80 <= first["a"] <= 100, first  # 90 : 30 at 3 : 1

@@ -35,7 +35,8 @@ async def test_an_agent_describes_itself_and_changes_its_models_without_reconnec
         [me] = (await status(srv))["agents"]
         assert me["protocol"] == PROTOCOL_VERSION and me["labels"] == ["gpu=h100", "region=eu"] and me["models"] == ["llama-8b"]
         assert me["devices"] == [{"index": i, "name": "h100", "memory_mb": 81920, "utilization": None,
-                                  "memory_used_mb": None, "job": None, "next": None} for i in (0, 1)]
+                                  "memory_used_mb": None, "job": None, "next": None, "quarantined": None}
+                                 for i in (0, 1)]
         agent.set_models(["llama-8b", "sdxl"])
 
         async def updated() -> bool:
@@ -71,7 +72,7 @@ async def test_device_usage_from_heartbeats_shows_in_status_and_metrics(dsn):
         await wait_for(reported)
         assert (await status(srv))["agents"][0]["devices"] == [
             {"index": 3, "name": "a10", "memory_mb": 24576, "utilization": 87, "memory_used_mb": 20000, "job": None,
-             "next": None}]
+             "next": None, "quarantined": None}]
         text = (await http_get(f"{srv.http}/metrics"))[2]
         samples = {(s.name, s.labels.get("device")): s.value
                    for f in text_string_to_metric_families(text) for s in f.samples if "agent" in s.labels}

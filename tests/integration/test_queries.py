@@ -22,7 +22,8 @@ NAMES = {
     "job_attempts", "jobs_recent", "jobs_failed", "jobs_live", "jobs_keyed", "max_job_id", "last_agents",
     "fleet_put", "fleet_drop", "fleet_refresh", "fleet_prune", "fleet_others", "backlog",
     "complete_many_charged", "fail_many_charged", "tenant_set", "tenant_weights", "half_life_set", "half_life",
-    "tenant_usage", "record_checkpoints",
+    "tenant_usage", "device_fault", "quarantine_set", "quarantine_clear", "quarantined", "quarantined_of",
+    "failed_devices", "move_leases", "record_checkpoints",
     "preempted_many", "preempt", "placed_head_priority", "held_preemption",
     "lease_fair", "lease_placed_fair", "fair_state", "fair_waiting", "tenant_lift",
 }

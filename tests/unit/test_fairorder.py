@@ -73,3 +73,11 @@ def test_jobs_that_charge_nothing_still_take_turns_by_weight():
     """Usage 0 over many attempts: without a floor on the estimate, 'a' would take every ticket."""
     ledger = _ledger([("a", 1.0, 0.0, 50.0, 0.0, []), ("b", 1.0, 0.0, 50.0, 0.0, [])], [("k", "a"), ("k", "b")])
     assert Counter(ledger.tickets(["k"], 10, probes=0).names) == {"a": 5, "b": 5}
+
+
+def test_a_floor_never_lifts_a_tenant_above_the_least_busy_one():
+    """c was lifted to 10 GPU-s when a's jobs were thought to take 1 s; they take 0.2: a's usage
+    is 2. c counts as having used 2, not 10, so it is not held back while a catches up."""
+    ledger = _ledger([("a", 1.0, 1.0, 5.0, 0.0, [0.1]), ("c", 1.0, 0.0, 1.0, 10.0, [])], [("k", "a"), ("k", "c")])
+    assert ledger.tenants["c"].floor == 1.2  # a: 1 charged + 1 running job of 0.2 expected
+    assert Counter(ledger.tickets(["k"], 2, probes=0).names) == {"a": 1, "c": 1}  # level, not held back

@@ -94,9 +94,9 @@ def test_device_status_shows_usage_the_running_job_and_the_next():
     assert led.device_jobs() == ({0: 1, 1: 1}, {0: 2})
     assert device_status(led) == [
         {"index": 0, "name": "H100", "memory_mb": 81920, "memory_used_mb": 1024, "utilization": 35,
-         "job": 1, "next": 2},
+         "job": 1, "next": 2, "quarantined": None},
         {"index": 1, "name": "H100", "memory_mb": 81920, "memory_used_mb": None, "utilization": None,
-         "job": 1, "next": None},
+         "job": 1, "next": None, "quarantined": None},
     ]
     old = ledger(version=4, devices=GPUS[:1])
     old.hold(1, TOKEN, "train", gpus=1)

@@ -24,7 +24,7 @@ async def test_an_async_handler_that_yields_early_is_reported_preempted():
         run.preempt(grace_seconds=60)
         with anyio.fail_after(5):
             outcome = await run
-    assert outcome.preempted and run.job.preempted
+    assert outcome.status == "preempted" and run.job.preempted
 
 
 async def test_an_async_handler_that_ignores_the_preempt_is_cancelled_at_the_deadline():
@@ -46,7 +46,7 @@ async def test_an_async_handler_that_ignores_the_preempt_is_cancelled_at_the_dea
         with anyio.fail_after(5):
             outcome = await run
             assert (await nxt).result == "ran"  # the slot goes on with its next job
-    assert stopped.is_set() and outcome.preempted
+    assert stopped.is_set() and outcome.status == "preempted"
 
 
 async def test_a_handler_that_finishes_before_the_deadline_keeps_its_result():
@@ -80,7 +80,7 @@ async def test_a_sync_handler_sees_job_preempted_and_any_exception_then_is_a_pre
         run.preempt(grace_seconds=60)
         with anyio.fail_after(5):
             outcome = await run
-    assert outcome.preempted
+    assert outcome.status == "preempted"
 
 
 async def test_a_job_waiting_ready_goes_back_at_once():
@@ -94,7 +94,7 @@ async def test_a_job_waiting_ready_goes_back_at_once():
         first, second = agent.start({}), agent.start({})
         second.preempt(grace_seconds=60)
         with anyio.fail_after(5):
-            assert (await second).preempted
+            assert (await second).status == "preempted"
         release.set()
         with anyio.fail_after(5):
             assert (await first).done
@@ -118,7 +118,7 @@ async def test_a_run_process_child_gets_sigterm_at_the_preempt_and_sigkill_at_th
         run.preempt(grace_seconds=0.5)
         with anyio.fail_after(5):
             outcome = await run
-    assert outcome.preempted
+    assert outcome.status == "preempted"
     assert term_file.read_text().strip() == "term"
     pid = int(pid_file.read_text())
     try:

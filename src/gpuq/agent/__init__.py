@@ -11,7 +11,11 @@
     asyncio.run(agent.run())                # until agent.stop() or SIGTERM (see run_until_signal)
 
 A handler that raises fails the job (retried with backoff); raise
-``PermanentError`` for a failure that must not be retried. Plain (sync)
+``PermanentError`` for a failure that must not be retried, and ``DeviceError``
+when the GPU is bad rather than the job: the agent reports the device, the
+server quarantines it after repeated faults, and the job is retried on another
+device when one fits. Where NVML is present the agent also reports the Xid and
+uncorrectable ECC errors it reads (``gpus.Faults``). Plain (sync)
 functions run in a worker thread, so they never block the connection.
 
 Batches (protocol 7): ``Agent(..., batch_handler=embed_many, max_batch=64)``
@@ -73,6 +77,7 @@ from gpuq.agent.connection import (
            AuthError,
 )
 from gpuq.agent.handlers import (
+           DeviceError,
            Handler,
            HandlerError,
            Job,
@@ -84,5 +89,6 @@ from gpuq.agent.process import run_process
 from gpuq.protocol import on_preempt
 
 __all__ = ["DEFAULT_MAX_BATCH", "DEFAULT_PREFETCH", "PROGRESS_SEND_SECONDS", "Agent", "AuthError", "BatchHandler",
+           "DeviceError",
            "Handler", "HandlerError", "Job", "JobPreempted",
            "PermanentError", "load_handler", "on_preempt", "run_process"]

@@ -17,6 +17,7 @@ from gpuq.agent.handlers import (
     JobPreempted,
     PermanentError,
     current_job,
+    report_fault,
     summary,
 )
 from gpuq.agent.slots import Slots
@@ -122,6 +123,7 @@ class AsyncSlots(Slots):
         elif isinstance(exc, TimeoutError) and limit is not None and limit.expired():
             self.protocol.job_failed(job, TIMEOUT_ERROR, retryable=True)
         else:  # the handler's failure is the job's, not ours
+            report_fault(self.protocol, job, exc)
             self.protocol.job_failed(job, summary(exc), retryable=not isinstance(exc, PermanentError))
 
     async def _run_batch(self, unit: Unit) -> None:

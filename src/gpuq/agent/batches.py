@@ -18,7 +18,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gpuq.agent.handlers import CANCELLED_ERROR, TIMEOUT_ERROR, Job, PermanentError, summary
+from gpuq.agent.handlers import (
+    CANCELLED_ERROR,
+    TIMEOUT_ERROR,
+    DeviceError,
+    Job,
+    PermanentError,
+    report_fault,
+    summary,
+)
 from gpuq.protocol.agent_side import AgentProtocol
 from gpuq.protocol.batches import Batch, Unit
 
@@ -43,6 +51,8 @@ def record_returned(protocol: AgentProtocol, jobs: Sequence[Job], returned: Any,
         for job in jobs:
             protocol.job_failed(job, error, retryable=False)
         return
+    if (fault := next((e for e in returned if isinstance(e, DeviceError)), None)) is not None:
+        report_fault(protocol, jobs[0], fault)  # once: the items share their devices
     for job, entry in zip(jobs, returned, strict=True):
         if job.cancelled:
             protocol.job_failed(job, CANCELLED_ERROR, retryable=False)
@@ -55,6 +65,7 @@ def record_returned(protocol: AgentProtocol, jobs: Sequence[Job], returned: Any,
 def record_raised(protocol: AgentProtocol, jobs: Sequence[Job], exc: BaseException) -> None:
     """The batch handler raised: every item fails with it (a cancelled one as ``cancelled``)."""
     error, retryable = summary(exc), not isinstance(exc, PermanentError)
+    report_fault(protocol, jobs[0], exc)  # once: the items share their devices
     for job in jobs:
         if job.cancelled:
             protocol.job_failed(job, CANCELLED_ERROR, retryable=False)

@@ -88,13 +88,13 @@ class Agent:
         # The GPUs jobs may get: given, or what NVML sees (none without an NVIDIA driver).
         self.devices = gpus.detect() if devices is None else tuple(devices)
         self._usage = gpus.Usage(self.devices)
+        self._faults = gpus.Faults(self.devices)  # Xid and ECC errors, where NVML reads them
         self._ready = asyncio.Event()  # the protocol has frames to send
         self._stop_event = asyncio.Event()
         self._reconnect_now = _Nudge()  # stop() cuts the current reconnect wait short, not the later ones
         # On SIGTERM (run_until_signal), stop with this deadline; None: wait for every report.
         self.drain_seconds = drain_seconds
-        # On SIGTERM, an interruption with this notice instead (a spot instance's); None: a stop.
-        self.interruption_notice = interruption_notice
+        self.interruption_notice = interruption_notice  # on SIGTERM, interrupt() with it (None: a stop)
         self._deadline: float | None = None  # monotonic: run() returns by then (stop(deadline_seconds))
         self._running: anyio.CancelScope | None = None  # run()'s, while it runs
         self._deadline_timer: asyncio.TimerHandle | None = None
@@ -156,11 +156,9 @@ class Agent:
         self._stop_event.set()
 
     def interrupt(self, notice_seconds: float) -> None:
-        """This machine goes away in ``notice_seconds`` (a spot interruption: call it, on the agent's
-        event loop, from a watcher of the cloud's metadata). The agent drains: it takes no new work,
-        jobs held ready go back at once, running preemptible jobs are asked to yield within the
-        notice less a margin (``interruption_margin``) and go back without counting an attempt;
-        ``run()`` returns by the notice (what still runs then is left to the server)."""
+        """This machine goes away in ``notice_seconds`` (a spot interruption; call it on the agent's loop):
+        drain, give back the ready jobs, have running preemptible jobs yield within the notice less
+        ``interruption_margin``, and return from ``run()`` by the notice."""
         within = max(0.0, notice_seconds - interruption_margin(notice_seconds))
         log.info("agent.interrupted", agent=self.name, notice_seconds=notice_seconds, yield_within=within,
                  running=len(self.protocol.running))
@@ -168,9 +166,7 @@ class Agent:
         self._yield_running(within)
 
     def _terminated(self) -> None:
-        """SIGTERM: with ``interruption_notice``, an interruption; else a stop (``drain_seconds``)
-        in which running preemptible jobs yield within their grace, or the drain's deadline less
-        the margin if sooner."""
+        """SIGTERM: ``interrupt()``, or a stop in which preemptible jobs yield (by their grace, or the drain's)."""
         if self.interruption_notice is not None:
             self.interrupt(self.interruption_notice)
             return
@@ -181,7 +177,6 @@ class Agent:
     def _yield_running(self, within: float | None) -> None:
         if ids := self.protocol.yield_running(within):
             self._slots.preempt(ids, within or 0.0)
-            log.info("agent.jobs_yielding", agent=self.name, job_ids=list(ids), within_seconds=within)
         self._ready.set()
 
     async def run(self) -> None:
@@ -270,8 +265,9 @@ class Agent:
                 log.warning("agent.results_rejected", agent=self.name, job_ids=list(msg.rejected))
             elif isinstance(msg, Cancel):
                 self._cancel(msg.ids)
-            elif isinstance(msg, Preempt):
-                self._preempt(msg)
+            elif isinstance(msg, Preempt):  # the protocol marked them; jobs held ready went back (release)
+                self._slots.preempt(msg.ids, msg.deadline_seconds)
+                self._ready.set()
             elif isinstance(msg, ServerDrain):
                 log.info("agent.server_draining", agent=self.name, deadline_seconds=msg.deadline_seconds)
             elif isinstance(msg, Error):
@@ -301,13 +297,6 @@ class Agent:
         self._slots.cancel(ids)
         if ids:
             log.info("agent.jobs_cancelled", agent=self.name, job_ids=list(ids))
-
-    def _preempt(self, msg: Preempt) -> None:
-        """The server asked these running jobs to yield (the protocol marked them ``preempted``)."""
-        self._slots.preempt(msg.ids, msg.deadline_seconds)
-        self._ready.set()  # jobs it held ready went back (release)
-        log.info("agent.jobs_preempted", agent=self.name, job_ids=list(msg.ids),
-                 deadline_seconds=msg.deadline_seconds)
 
     def _report_progress(self, job_id: int, item: str) -> None:
         """``job.progress()``, from the loop or a handler's thread: keep it; wake the sender once."""
@@ -349,12 +338,14 @@ class Agent:
     async def _heartbeats(self, every: float) -> None:
         while True:
             await anyio.sleep(every)
+            for index, source, error in self._faults.read():
+                log.warning("agent.device_fault", agent=self.name, device=index, source=source, error=error)
+                self.protocol.device_fault((index,), source, error)
             self.protocol.heartbeat(self._usage.read())
             self._ready.set()
 
     async def run_until_signal(self) -> None:
-        """``run()``, with SIGTERM/SIGINT turned into a graceful ``stop()`` (running preemptible jobs
-        yield), or with ``interruption_notice`` into ``interrupt()``."""
+        """``run()``, with SIGTERM/SIGINT turned into a graceful stop (``_terminated``)."""
         async with anyio.create_task_group() as tg:
             tg.start_soon(stop_on_signal, self._terminated)
             await self.run()

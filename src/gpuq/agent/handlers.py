@@ -1,15 +1,16 @@
-"""The user's handler: what it gets (``Job``), how it fails (``PermanentError``, and the text
-stored for a failure), and loading one named ``module:function``."""
+"""The user's handler: what it gets (``Job``), how it fails (``PermanentError``, ``DeviceError``,
+and the text stored for a failure), and loading one named ``module:function``."""
 
 from __future__ import annotations
 
 import importlib
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from typing import Any
 
 from gpuq import protocol
+from gpuq.protocol.agent_side import AgentProtocol
 
 # What a handler gets: job.id, job.kind, job.payload, job.attempt, job.lease_token
 # (the protocol's own message object, so a push is parsed into it only once).
@@ -36,6 +37,24 @@ class JobPreempted(Exception):
 
 # The job a handler runs in this task (async handlers): ``run_process`` stops its child when it is preempted.
 current_job: ContextVar[Job | None] = ContextVar("gpuq_current_job", default=None)
+class DeviceError(Exception):
+    """Raise from a handler when the job's GPU is bad, not the job: the attempt fails (retried, on
+    another device when one fits) and the agent reports the device to the server (protocol 9),
+    which quarantines it after repeated faults (``GPUQ_QUARANTINE_FAULTS``). ``devices``: which of
+    ``job.devices`` (indices as there; default: all of the job's)."""
+
+    def __init__(self, message: str = "device error", devices: Iterable[int] | None = None):
+        super().__init__(message)
+        self.devices = None if devices is None else tuple(devices)
+
+
+def report_fault(protocol: AgentProtocol, job: Job, exc: BaseException) -> None:
+    """If ``exc`` is a ``DeviceError``, tell the server which of the job's devices are bad (before
+    the job's outcome, so the server counts the fault before the devices are free again)."""
+    if not isinstance(exc, DeviceError):
+        return
+    devices = job.devices if exc.devices is None else tuple(i for i in exc.devices if i in job.devices)
+    protocol.device_fault(devices, "handler", str(exc) or type(exc).__name__, job.id)
 
 
 class HandlerError(ValueError):

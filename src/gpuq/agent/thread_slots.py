@@ -15,7 +15,14 @@ import anyio
 from gpuq import protocol
 from gpuq.agent import spans
 from gpuq.agent.batches import batch_jobs, record_raised, record_returned
-from gpuq.agent.handlers import TIMEOUT_ERROR, Job, JobPreempted, PermanentError, summary
+from gpuq.agent.handlers import (
+    TIMEOUT_ERROR,
+    Job,
+    JobPreempted,
+    PermanentError,
+    report_fault,
+    summary,
+)
 from gpuq.agent.slots import Slots
 from gpuq.protocol.batches import Unit
 
@@ -99,6 +106,7 @@ class ThreadSlots(Slots):
             if job.preempted or isinstance(exc, JobPreempted):  # it yielded
                 self.protocol.job_preempted(job)
             else:  # the handler's failure is the job's, not ours
+                report_fault(self.protocol, job, exc)
                 self.protocol.job_failed(job, summary(exc), retryable=not isinstance(exc, PermanentError))
         else:
             if expired:

@@ -7,7 +7,8 @@ process, one clock. Four parts:
    of ``--step-ms`` (600 of 10 ms: a 10-minute job scaled down), that
    checkpoints every ``--checkpoint-every`` steps (``job.checkpoint``, and
    resumes from ``job.resume_from``, where the agent library has them) and
-   folds each step into its output. Every ``--interrupt-min``..``--interrupt-max``
+   folds each step into its output (its agent sends checkpoints at most every half interval).
+   Every ``--interrupt-min``..``--interrupt-max``
    seconds the agent running it gets a spot notice (``agent.interrupt(--notice)``)
    and a fresh agent replaces it, ``--interruptions`` times. Figures:
    ``output_equal`` (its result is the uninterrupted run's), ``attempts_used``
@@ -105,34 +106,39 @@ async def run(dsn: str, a: argparse.Namespace) -> dict[str, Any]:
 
 
 class LongJob:
-    """The synthetic job's handler, and what it saw: the steps each attempt ran from where."""
+    """The synthetic job's handler, and what it saw: the steps run again after each interruption
+    (where the last attempt had got to, less where the next resumed)."""
 
     def __init__(self, a: argparse.Namespace):
         self.a = a
-        self.redone: list[int] = []  # per interruption: steps run past the last checkpoint
+        self.redone: list[int] = []  # per interruption
+        self.reached: int | None = None  # the step the last attempt yielded at
         self.running = anyio.Event()
 
     async def __call__(self, job: Any) -> dict[str, int]:
         resumed = getattr(job, "resume_from", None) or {}
         step, acc = int(resumed.get("step", 0)), int(resumed.get("acc", 0))
-        saved = step  # the last step a checkpoint holds (a resume point is one)
+        if self.reached is not None:
+            self.redone.append(self.reached - step)
+            self.reached = None
         self.running.set()
         while step < self.a.steps:
             if job.preempted:
-                self.redone.append(step - saved)
+                self.reached = step
                 raise JobPreempted(f"yielded at step {step}")
             await asyncio.sleep(self.a.step_ms / 1000)
             acc, step = fold(acc, step), step + 1
             if step % self.a.checkpoint_every == 0 and hasattr(job, "checkpoint"):
-                job.checkpoint({"step": step, "acc": acc})
-                saved = step
+                job.checkpoint({"step": step, "acc": acc})  # not waited for: the agent sends it
         return {"acc": acc}
 
 
 async def long_job(srv: Any, pool: Any, a: argparse.Namespace) -> dict[str, Any]:
     common.progress(f"long job: {a.steps} steps of {a.step_ms} ms, {a.interruptions} spot notices")
     handler = LongJob(a)
-    agent = await srv.agent([KIND], 1, handler, "spot-0", prefetch=0)
+    # Checkpoints go at most every half interval (the agent's own limit is a second by default).
+    spot = {"prefetch": 0, "checkpoint_seconds": a.checkpoint_every * a.step_ms / 2000}
+    agent = await srv.agent([KIND], 1, handler, "spot-0", **spot)
     job_id = await gpuq.enqueue(pool, KIND, {"long": True}, preemptible=True, grace_seconds=a.grace)
     rng = random.Random(1)
     for i in range(a.interruptions):
@@ -143,7 +149,7 @@ async def long_job(srv: Any, pool: Any, a: argparse.Namespace) -> dict[str, Any]
         if await _status(pool, job_id) != "leased":
             break
         agent.interrupt(a.notice)  # the machine goes away
-        agent = await srv.agent([KIND], 1, handler, f"spot-{i + 1}", prefetch=0)  # its replacement
+        agent = await srv.agent([KIND], 1, handler, f"spot-{i + 1}", **spot)  # its replacement
     with anyio.move_on_after(60 + a.steps * a.step_ms / 1000 * 4):
         while await _status(pool, job_id) != "done":
             await anyio.sleep(0.05)

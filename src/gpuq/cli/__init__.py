@@ -1,5 +1,5 @@
 """The ``gpuq`` command: migrate, serve, sweep, agent, enqueue, status, jobs, show, wait, cancel, pause, resume,
-retry, schedule, kind-timeout, limit, batch, tenant, dev, bench.
+retry, schedule, kind-timeout, limit, batch, tenant, device, dev, bench.
 
 Each command (or small family of commands) is a module here that registers its own flags and
 holds its handler; this module builds the parser from them, in ``COMMANDS`` order (the order
@@ -20,6 +20,7 @@ from gpuq.cli import (
     batch,
     bench,
     dev,
+    device,
     enqueue,
     jobs,
     schedule,
@@ -32,7 +33,7 @@ from gpuq.cli.errors import EXIT_FAILURE, EXIT_USAGE, CLIError, run_guarded
 __all__ = ["COMMANDS", "EXIT_FAILURE", "EXIT_USAGE", "CLIError", "build_parser", "main"]
 
 # The command modules, in the order of gpuq --help; each has register(subparsers).
-COMMANDS = (services, agent, enqueue, status, jobs, admin, batch, tenant, schedule, dev, bench)
+COMMANDS = (services, agent, enqueue, status, jobs, admin, batch, tenant, device, schedule, dev, bench)
 LOGGING_COMMANDS = set(config.LOGGED)
 STDERR_LOG_COMMANDS = {"dev"}  # dev prints progress on stdout
 

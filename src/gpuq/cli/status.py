@@ -23,11 +23,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from gpuq import admin
+    from gpuq import admin, quarantine
 
     async def read(conn: Any) -> dict[str, Any]:
         body = (await admin.status_counts(conn)).as_dict()
         body["tenants"] = [t.as_dict() for t in await admin.tenants(conn)]  # [] while fair share is off
+        body["quarantined"] = await quarantine.listing(conn)
         return body
 
     body = on_db(args, read)
@@ -69,6 +70,8 @@ def render_status(body: dict[str, Any]) -> str:
             lines.append(f"unplaceable: {kind}: {u['pending']} pending ({u['reason']})")
     for kind, p in sorted(body.get("paused", {}).items()):
         lines.append(f"paused: {kind} (by {p['by']} since {p['since']})")
+    for q in body.get("quarantined", []):
+        lines.append(f"quarantined: {q['device']} since {q['since'][:19]} ({q['reason']}; gpuq device clear {q['device']})")
     oldest = body["oldest_pending_seconds"]
     lines.append(f"oldest pending: {oldest:.1f} s" if oldest is not None else "oldest pending: -")
     lines.append(f"history (done+dead, estimate): {body['history_estimate']}")
@@ -91,7 +94,8 @@ def _render_agents(server: dict[str, Any]) -> list[str]:
         for d in a.get("devices", []):
             usage = "" if d["utilization"] is None else \
                 f"  util {d['utilization']}%  used {d['memory_used_mb']} MiB"
-            lines.append(f"    gpu {d['index']}: {d['name']} {d['memory_mb']} MiB{usage}")
+            quarantined = f"  QUARANTINED ({d['quarantined']})" if d.get("quarantined") else ""
+            lines.append(f"    gpu {d['index']}: {d['name']} {d['memory_mb']} MiB{usage}{quarantined}")
         for job_id, p in sorted(a.get("progress", {}).items(), key=lambda item: int(item[0])):
             lines.append(f"    job {job_id}: {p['fraction']:.0%}" + (f" {p['message']}" if p["message"] else ""))
     return lines

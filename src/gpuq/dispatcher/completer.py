@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import anyio
 import asyncpg
 
-from gpuq import logs, metrics, queue
+from gpuq import logs, metrics, preemptions, quarantine, queue
 from gpuq.dispatcher.spans import ServerSpans
 from gpuq.dispatcher.writer import Writer
 from gpuq.jobs import FailOutcome, JobBackoff
@@ -72,6 +72,7 @@ class Completer(Writer):
         self.preempted: list[tuple[Session, Preempted, str]] = []
         self.orphans: list[int] = []  # leased for an agent that left before the push
         self.unstarted: list[tuple[Session, tuple[tuple[int, str], ...]]] = []  # given back, (id, token)
+        self.failed_devices: list[tuple[int, str, tuple[str, ...]]] = []  # (id, token, 'agent:index'...) failed there
         self.ran: dict[int, float] = {}  # job id -> its handler's run time, where the agent told its start
         self.checkpoints: list[tuple[Session, CheckpointItem]] = []  # in the order they came
         self._lock = anyio.Lock()
@@ -90,6 +91,12 @@ class Completer(Writer):
             else:
                 self.preempted.append((session, msg, kind))
         self.wake()
+
+    def failed_on(self, agent: str, failed: dict[int, tuple[str, tuple[int, ...]]]) -> None:
+        """Failed jobs held with devices of agent ``agent`` (its name), by id: (lease token, devices).
+        Written before their outcome, in the same flush: their next lease avoids those devices."""
+        self.failed_devices.extend((i, token, tuple(quarantine.device_name(agent, d) for d in devices))
+                                   for i, (token, devices) in failed.items())
 
     def submit_checkpoints(self, session: Session, items: Iterable[CheckpointItem]) -> None:
         """Queue checkpoints of jobs ``session`` holds; answered after the commit."""
@@ -204,7 +211,7 @@ class Completer(Writer):
 
     async def _write_preempted(self, yielded: list[tuple[Session, Preempted, str]]) -> None:
         """Jobs that yielded: pending again where their token holds, each agent acked."""
-        moved = await queue.preempted_many(self.pool, [(m.id, m.lease_token) for _, m, _ in yielded])
+        moved = await preemptions.preempted_many(self.pool, [(m.id, m.lease_token) for _, m, _ in yielded])
         back = {*moved.pending, *moved.dead}
         acks: dict[Session, tuple[list[int], list[int]]] = {}
         for session, m, _kind in yielded:
@@ -248,6 +255,9 @@ class Completer(Writer):
         if done:
             accepted = await queue.complete_many(self.pool, [(m.id, m.lease_token, m.result) for _, m, _ in done],
                                                  charge, [ran.get(m.id) for _, m, _ in done] if charge else None)
+        if failed and (on := list(self.failed_devices)):  # before the outcome ends the lease
+            await quarantine.record_failed_devices(self.pool, on)
+            del self.failed_devices[:len(on)]
         if failed:
             outcomes = await queue.fail_many(
                 self.pool, [(m.id, m.lease_token, m.error, m.retryable) for _, m, _ in failed], self.backoff, charge,

@@ -82,6 +82,19 @@ class Ledger:
                                         len(running))
         self._mean = mean
         self.load_waiting(waiting)
+        self._cap_floors()
+
+    def _cap_floors(self) -> None:
+        """A floor never lifts a tenant above the least usage per weight of the other busy tenants
+        (floors left out): a lift made with estimates that proved too large (1 s a job before any
+        ended, for jobs of 0.2 s) would else hold the tenant back until the others caught up."""
+        busy = set().union(*self.waiting.values()) | {n for n, t in self.tenants.items() if t.running}
+        two = heapq.nsmallest(2, ((self.tenants[n].usage / self.tenants[n].weight, n) for n in busy
+                                  if n in self.tenants))
+        for name, t in self.tenants.items():
+            if t.floor:
+                least = [vt for vt, other in two if other != name][:1]
+                t.floor = min(t.floor, least[0] * t.weight) if least else 0.0
 
     def load_waiting(self, waiting: Iterable[tuple[Key, str]]) -> None:
         """The (key, tenant) pairs with jobs pending, read again (a tenant new here: the mean estimate)."""

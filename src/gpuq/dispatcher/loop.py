@@ -25,6 +25,7 @@ from gpuq.dispatcher.groups import GroupLeases
 from gpuq.dispatcher.heartbeats import Heartbeats
 from gpuq.dispatcher.placing import Placing
 from gpuq.dispatcher.progress import ProgressWriter
+from gpuq.dispatcher.quarantine import Quarantine
 from gpuq.dispatcher.roster import Roster
 from gpuq.dispatcher.sessions import AgentSession, Sessions, group_kinds
 from gpuq.dispatcher.spans import ServerSpans
@@ -33,7 +34,8 @@ from gpuq.dispatcher.tuning import TUNING_DEFAULT, Tuning
 from gpuq.jobs import JobBackoff, LeasedJob
 from gpuq.latency import JobLatency
 from gpuq.loops import Outage, run_every
-from gpuq.protocol import CheckpointItem, Outcome, ProgressUpdate
+from gpuq.protocol import CheckpointItem, DeviceFault, Outcome, ProgressUpdate
+from gpuq.quarantine import Policy
 
 log = logs.get("dispatcher")
 
@@ -47,19 +49,18 @@ class Dispatcher:
         self.spans = ServerSpans()  # traced jobs' lease and completion spans (gpuq[otel])
         self.fair_share = FairShare(pool, tuning)  # whether outcomes charge tenants' usage
         self.completer = Completer(pool, backoff or JobBackoff(), on_written=self._outcomes_written, latency=self.latency,
-                                   on_released=self._credit_freed, spans=self.spans,
-                                   charging=lambda: self.fair_share.on)
+                                   on_released=self._credit_freed, spans=self.spans, charging=lambda: self.fair_share.on)
         self.progress = ProgressWriter(pool, tuning.progress_write_seconds)
         self.heartbeats = Heartbeats(pool, config.lease_seconds, on_lost=self.sessions.cancel_on)
-        self.trigger = LeaseTrigger(pool, config, tuning, on_kind=self._announced, on_cancel=self.sessions.cancel_running,
-                                    on_preempt=self.sessions.preempt_running)
+        self.trigger = LeaseTrigger(pool, config, tuning, on_kind=self._announced, on_cancel=self.sessions.cancel_running)
         self.groups = GroupLeases(pool, config, tuning, lambda: self.trigger.listen_pid, self.trigger.recheck,
                                   self.fair_share)
         self.trigger.on_listen = lambda: self.groups.listen_connected(self.trigger.listen_pid or 0)
         self.roster = Roster(pool, tuning, self.sessions)  # this server's agents, for the other servers
         self.placing = Placing(pool, config, tuning, self.roster, self.fair_share)
         self.batching = Batching(pool, config, tuning)
-        self._passes = 0
+        self.quarantine = Quarantine(pool, Policy(config.quarantine_faults, config.quarantine_window_seconds), self.sessions, self._quarantine_changed, tuning)
+        self.trigger.on_quarantine, self.trigger.on_preempt, self._passes = self.quarantine.changed, self.sessions.preempt_running, 0
 
     @property
     def listening(self) -> bool:
@@ -70,10 +71,14 @@ class Dispatcher:
             if self.config.listen_url is not None:  # else poll only (a pooled URL and no direct one)
                 tg.start_soon(self.trigger.listen)
             tg.start_soon(self._lease_loop)
-            for part in (self.completer, self.progress, self.heartbeats, self.roster):
+            for part in (self.completer, self.progress, self.heartbeats, self.roster, self.quarantine):
                 tg.start_soon(part.run)
 
     # -- agents' events (never waiting on the database, but for a disconnect) --
+
+    async def admit(self, session: AgentSession) -> None:
+        """Before ``register``: what placement must know first (its quarantined devices)."""
+        await self.quarantine.admit(session)
 
     def register(self, session: AgentSession) -> None:
         self.sessions.add(session)
@@ -120,6 +125,19 @@ class Dispatcher:
             self.progress.forget(msg.id for msg, _ in outcomes)
         if freed:
             self._credit_freed(session)
+
+    def failed_on(self, session: AgentSession, failed: dict[int, tuple[str, tuple[int, ...]]]) -> None:
+        """Failed jobs, by id: (lease token, the devices they held here): their next attempt avoids them."""
+        self.completer.failed_on(session.name, failed)
+
+    def device_fault(self, session: AgentSession, fault: DeviceFault) -> None:
+        self.quarantine.fault(session, fault)
+
+    def _quarantine_changed(self, session: AgentSession, freed: bool) -> None:
+        """Its devices that placement may use changed: the other servers read it; freed ones take work."""
+        self.roster.put(session)
+        if freed and session.id in self.sessions:
+            self._credit_freed(session, new_agent=True)
 
     def heartbeat(self, session: AgentSession, ids: tuple[int, ...]) -> None:
         self.heartbeats.submit(session.id, ids)

@@ -28,12 +28,13 @@ themselves are pure functions in ``gpuq.placement``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from gpuq import admin, batches, logs, metrics, placement, queue
+from gpuq import admin, batches, db, logs, metrics, placement, quarantine, queue
 from gpuq.config import ServerConfig
 from gpuq.dispatcher.batching import Look, lease_formed
 from gpuq.dispatcher.fairshare import FairShare
@@ -136,6 +137,8 @@ class Placing:
                             wanted -= len(slots) - len(single)
                     else:
                         single = await queue.lease_placed(self.pool, shape, slots, self.config.lease_seconds)
+                if shape.gpus and any(j.failed_devices for j in single):
+                    single = await self._elsewhere(shape, single, slots, agents, ready)
                 if single:
                     log.info("lease.placed", batch=len(single), requested=len(slots), kind=shape.kind,
                              gpus=shape.gpus, model=shape.model, agents=len({j.leased_by for j in single}))
@@ -145,6 +148,23 @@ class Placing:
             if filled < wanted:
                 self._short.add(key)
             yield jobs
+
+    async def _elsewhere(self, shape: Shape, jobs: list[LeasedJob], slots: list[str], agents: Sessions,
+                         ready: bool) -> list[LeasedJob]:
+        """The lease's jobs, those that failed on the devices their agent would give them moved to
+        another agent of the lease when one has other devices free (``placement.elsewhere``)."""
+        mb = shape.gpu_memory_mb or 0
+        free = {s.id: (s.ready_devices if ready else s.free_devices)(mb) for s in agents}
+        moves = placement.elsewhere(jobs, slots, free, {s.id: s.name for s in agents}, shape.gpus)
+        if not moves:
+            return jobs
+        try:
+            await quarantine.move_leases(self.pool, [(j.id, j.lease_token, moves[j.id]) for j in jobs if j.id in moves])
+        except db.RETRYABLE_ERRORS as exc:  # they run where leased: on the devices they failed on, perhaps
+            log.warning("placement.move_failed", job_ids=sorted(moves), error=str(exc))
+            return jobs
+        log.info("placement.elsewhere", moves={str(i): sid for i, sid in moves.items()})
+        return [dataclasses.replace(j, leased_by=moves[j.id]) if j.id in moves else j for j in jobs]
 
     def _batch_slots(self, shape: Shape, policy: batches.Policy | None, agents: Sessions,
                      slots: list[str]) -> tuple[list[str], list[str]]:

@@ -22,13 +22,12 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from gpuq import admin, logs, placement, preemption
+from gpuq import admin, logs, placement, preemption, preemptions
 from gpuq.config import ServerConfig
 from gpuq.dispatcher.sessions import AgentSession, Sessions
 from gpuq.dispatcher.tuning import Tuning
 from gpuq.jobs import Shape
 from gpuq.placement import ShapeKey
-from gpuq.sql import queries
 
 log = logs.get("dispatcher")
 
@@ -89,7 +88,7 @@ class Preempting:
 
     async def _for_shape(self, key: ShapeKey, shape: Shape, agents: Sessions,
                          views: dict[int, preemption.Held], reserved: dict[str, ShapeKey]) -> None:
-        priority = await self.pool.fetchval(queries["placed_head_priority"], shape.kind, shape.digest)
+        priority = await preemptions.head_priority(self.pool, shape)
         if priority is None:
             self._release(key, reserved)
             return
@@ -115,8 +114,7 @@ class Preempting:
 
     async def _held(self, agents: Sessions) -> dict[int, preemption.Held]:
         """Every job with devices held by this server's agents, as preemption sees it."""
-        ids = [i for s in agents for i in s.protocol.ledger.devices_in_use]
-        rows = await self.pool.fetch(queries["held_preemption"], ids) if ids else []
+        rows = await preemptions.held(self.pool, [i for s in agents for i in s.protocol.ledger.devices_in_use])
         return {r["id"]: preemption.Held(r["id"], (), False, r["preemptible"], r["priority"],
                                          r["ran_seconds"] or 0.0, r["yielding"]) for r in rows}
 
@@ -135,11 +133,11 @@ class Preempting:
 
 def _box(session: AgentSession, shape: Shape | None, views: dict[int, preemption.Held]) -> preemption.Box:
     """The agent as preemption sees it: its devices with enough memory for the shape (any shape:
-    all), and the jobs on its devices (what the database did not say of one, a job that just ended:
+    all), quarantined ones left out, and the jobs on its devices (what the database did not say of one, a job that just ended:
     not preemptible)."""
     ledger = session.protocol.ledger
     least = (shape.gpu_memory_mb or 0) if shape is not None else 0
-    fitting = tuple(d.index for d in session.devices if d.memory_mb >= least)
+    fitting = tuple(d.index for d in session.devices if d.memory_mb >= least and d.index not in ledger.quarantined)
     started = set(ledger.started_ids())
     held = []
     for job_id, devices in ledger.devices_in_use.items():

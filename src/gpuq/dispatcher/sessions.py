@@ -53,8 +53,10 @@ class AgentSession:
 
     @property
     def devices(self) -> tuple[Device, ...]:
-        """The GPUs the agent offers (protocol 4; none before)."""
-        return self.protocol.hello.devices if self.protocol.hello else ()
+        """The GPUs the agent offers (protocol 4; none before) that are not quarantined: what
+        placement may ever give jobs (``could_run``)."""
+        quarantined = self.protocol.ledger.quarantined
+        return tuple(d for d in self.protocol.ledger.devices if d.index not in quarantined)
 
     @property
     def version(self) -> int:

@@ -44,12 +44,10 @@ class Pass:
 
 class LeaseTrigger:
     def __init__(self, pool: Any, config: ServerConfig, tuning: Tuning,
-                 on_kind: Callable[[str, int | None], None], on_cancel: Callable[[list[int]], None],
-                 on_preempt: Callable[[list[int], float], None] | None = None):
+                 on_kind: Callable[[str, int | None], None], on_cancel: Callable[[list[int]], None]):
         self.pool, self.config, self.tuning = pool, config, tuning
         self._on_kind = on_kind  # a kind was announced, with its top priority (None: jobs moved back)
         self._on_cancel = on_cancel  # leased jobs were cancelled
-        self._on_preempt = on_preempt  # leased jobs were asked to yield (ids, grace seconds)
         self._wake = anyio.Event()
         self._next = Pass(every=True)  # reasons gathered for the next pass; the first looks at everything
         self.busy = False  # passes keep finding work: poll every busy_poll_seconds, let the mark lapse
@@ -57,6 +55,8 @@ class LeaseTrigger:
         self.listening = False
         self.listen_pid: int | None = None  # our LISTEN connection's backend pid
         self.on_listen: Callable[[], Any] | None = None  # awaited after each (re)connect of LISTEN
+        self.on_quarantine: Callable[[str], None] | None = None  # an agent's quarantine changed (its name)
+        self.on_preempt: Callable[[list[int], float], None] | None = None  # leased jobs must yield (ids, grace)
         self._mark_seen = 0  # the mark (server ms) our last arm left; 0: none to rely on
         self._arm_at = 0.0  # monotonic: arm again from here on
         self._stragglers: list[str] = []  # transactions to see end before the owed pass
@@ -208,9 +208,12 @@ class LeaseTrigger:
             self._on_cancel(wakeups.parse_cancel(payload))
             return
         if payload.startswith(wakeups.PREEMPT_PREFIX):
-            if self._on_preempt is not None:
+            if self.on_preempt is not None:
                 grace, ids = wakeups.parse_preempt(payload)
-                self._on_preempt(ids, grace)
+                self.on_preempt(ids, grace)
+        if payload.startswith(wakeups.QUARANTINE_PREFIX):
+            if self.on_quarantine is not None:
+                self.on_quarantine(payload[len(wakeups.QUARANTINE_PREFIX):])
             return
         wakeup = wakeups.parse_wakeup(payload)
         if wakeup.every:

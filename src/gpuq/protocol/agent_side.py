@@ -49,6 +49,10 @@ I/O layer (``gpuq.agent``) feeds frames to ``receive()`` and sends what
   I/O layer stops them then) and gives back (``release``) those that wait
   ready; ``yield_running`` marks every preemptible one (the agent is leaving);
   ``job_preempted`` reports one that yielded.
+- device faults (version 9): ``device_fault()`` says devices of the hello are
+  bad (a handler's ``DeviceError``, an Xid or ECC error NVML read); kept
+  until a connection of version 9 is open (at most ``MAX_KEPT_FAULTS``), never
+  sent on an earlier one.
 - ``ThreadSafeAgentProtocol``: the same, every method that changes state
   under one lock, for an agent whose sync handlers' slots run in worker
   threads and call ``job_started``, ``job_done``/``job_failed`` and
@@ -72,13 +76,20 @@ from gpuq.protocol.codes import (
     BATCH_SINCE,
     CHECKPOINT_SINCE,
     PREFETCH_SINCE,
+    QUARANTINE_SINCE,
     SLOTS_SINCE,
     ErrorCode,
     ProtocolError,
 )
 from gpuq.protocol.describe import DeviceUsage
-from gpuq.protocol.fields import contains_nul
-from gpuq.protocol.frames import RESULTS_OVERHEAD, encode, encode_done, pack_progress, pack_results
+from gpuq.protocol.frames import (
+    RESULTS_OVERHEAD,
+    done_or_failed,
+    encode,
+    fault_frame,
+    pack_progress,
+    pack_results,
+)
 from gpuq.protocol.messages import (
     Ack,
     Cancel,
@@ -99,6 +110,8 @@ from gpuq.protocol.messages import (
 from gpuq.protocol.parse import parse_client, parse_server
 from gpuq.protocol.slots import SlotClock
 from gpuq.protocol.yielding import Yielding
+
+MAX_KEPT_FAULTS = 64  # device faults kept while no version 9 connection is open; more are dropped
 
 
 class State(Enum):
@@ -134,6 +147,7 @@ class AgentProtocol(Yielding):
         self._started: list[int] = []  # started since the last frames_to_send (told in the next)
         self._speaks_started = False  # this connection's version has ``started`` (5)
         self._max_batch = 0  # this connection's: the hello's ``batch`` from version 7, else 0
+        self._faults, self._speaks_faults = list[str](), False  # device_fault frames kept; version 9 connection?
 
     @property
     def finished(self) -> bool:
@@ -169,7 +183,7 @@ class AgentProtocol(Yielding):
             if not isinstance(msg, Welcome):
                 raise ProtocolError(ErrorCode.UNEXPECTED, f"expected welcome, got {msg}")
             self.state, self.max_frame, self.agent_id = State.OPEN, msg.max_payload, msg.agent_id
-            self._speaks_started = msg.protocol >= PREFETCH_SINCE
+            self._speaks_started, self._speaks_faults = msg.protocol >= PREFETCH_SINCE, msg.protocol >= QUARANTINE_SINCE
             self._max_batch = self.hello.batch if msg.protocol >= BATCH_SINCE else 0
             self.checkpoints.enabled = msg.protocol >= CHECKPOINT_SINCE
             self.slots = None
@@ -311,7 +325,8 @@ class AgentProtocol(Yielding):
     # -- outcomes ------------------------------------------------------------
 
     def job_done(self, job: JobMessage, result: Any) -> None:
-        self._finish(job, encode_outcome(job, result, self.max_frame))  # encoded before the lock: a result can be large
+        # Encoded before the lock: a result can be large.
+        self._finish(job, done_or_failed(job.id, job.lease_token, result, self.max_frame))
 
     def job_failed(self, job: JobMessage, error: str, retryable: bool) -> None:
         self._finish(job, encode(Failed(job.id, job.lease_token, error, retryable)))
@@ -367,6 +382,11 @@ class AgentProtocol(Yielding):
         if self.state is State.OPEN:
             self._control.append(encode(checked))
 
+    def device_fault(self, devices: Iterable[int], source: str, error: str, job_id: int | None = None) -> None:
+        """Devices of the hello are bad (``fault_frame``): sent on the first version 9 connection."""
+        if (frame := fault_frame(self.hello, devices, source, error, job_id)) and len(self._faults) < MAX_KEPT_FAULTS:
+            self._faults.append(frame)
+
     def drain(self) -> None:
         """Ask for no more jobs: the agent is leaving; the ready jobs go back, checkpoints at once."""
         self.draining, self.checkpoints.interval = True, 0.0
@@ -392,31 +412,16 @@ class AgentProtocol(Yielding):
         if self.state is not State.OPEN:
             out, self._control = self._control, []  # the hello, nothing else before the welcome
             return out
-        out = self.checkpoints.frames(self.max_frame) + self._control  # first: before a job's end
+        faults, self._faults = (self._faults, []) if self._speaks_faults else ([], self._faults)
+        out = self.checkpoints.frames(self.max_frame) + faults + self._control  # first: before a job's end
         out += pack_results(self._outcomes, self.max_frame, tuple(self._started))
         self._control, self._outcomes, self._started = [], [], []
         return out
 
 
-def encode_outcome(job: JobMessage, result: Any, max_frame: int) -> str:
-    """The encoded ``done``, or a permanent ``failed`` for a result the server could not take."""
-    limit = max_frame - RESULTS_OVERHEAD
-    try:
-        item = encode_done(job.id, job.lease_token, result)
-    except (TypeError, ValueError) as exc:
-        return encode(Failed(job.id, job.lease_token, f"result is not JSON-serializable: {exc}", False))
-    if len(item) > limit:
-        return encode(Failed(job.id, job.lease_token, f"result of {len(item)} bytes is over the server's "
-                             f"limit of {limit} bytes", False))
-    if "\\u0000" in item and contains_nul(result):
-        return encode(Failed(job.id, job.lease_token, "result contains the character U+0000, which "
-                             "PostgreSQL cannot store in jsonb", False))
-    return item
-
-
 # Every method that changes state: the I/O layer calls them from its event loop, a sync slot from its thread.
 _CHANGES_STATE = ("connection_made", "connection_lost", "receive", "take", "job_started", "next_jobs", "_finish",
-                  "send_progress", "heartbeat", "update", "drain", "frames_to_send", "yield_running")
+                  "send_progress", "heartbeat", "update", "drain", "frames_to_send", "device_fault", "yield_running")
 
 
 class ThreadSafeAgentProtocol(AgentProtocol):

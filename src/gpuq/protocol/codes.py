@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import IntEnum, StrEnum
 
 __all__ = ["BATCH_SINCE", "CHECKPOINT_SINCE", "MAX_CHECKPOINT_DATA", "MAX_PREEMPT_SECONDS", "PREEMPT_SINCE", "MAX_TRACESTATE", "TRACE_SINCE", "CANCEL_SINCE", "MAX_BATCH_ITEMS", "MAX_CAPACITY", "MAX_CANCEL_IDS", "MAX_ERROR_TEXT", "MAX_HEARTBEAT_IDS", "MAX_JOB_ID",
-           "MAX_KINDS", "MAX_PROGRESS_DATA", "MAX_PROGRESS_MESSAGE", "MAX_RESULTS", "PLACEMENT_SINCE", "PREFETCH_SINCE", "MAX_PREFETCH", "PROGRESS_SINCE",
+           "MAX_KINDS", "MAX_PROGRESS_DATA", "MAX_PROGRESS_MESSAGE", "MAX_RESULTS", "PLACEMENT_SINCE", "QUARANTINE_SINCE", "MAX_FAULT_ERROR", "PREFETCH_SINCE", "MAX_PREFETCH", "PROGRESS_SINCE",
            "PROTOCOL_VERSION", "SLOTS_SINCE", "SUPPORTED_VERSIONS", "CloseCode", "ErrorCode", "ProtocolError"]
 
 PROTOCOL_VERSION = 9  # what this side speaks
@@ -23,6 +23,9 @@ MAX_BATCH_ITEMS = 4096
 # ``traceparent`` and ``tracestate`` in pushed jobs: the producer's trace (W3C), when the job has one
 TRACE_SINCE = 8
 MAX_TRACESTATE = 512  # characters (W3C's limit; the jobs table's CHECK)
+# ``device_fault`` (agent -> server): a device is bad (the handler's DeviceError, an Xid or ECC error)
+QUARANTINE_SINCE = 9
+MAX_FAULT_ERROR = 1024  # characters of a fault's error kept (cut, not refused)
 # ``checkpoint`` (agent) and ``checkpointed`` (server); ``resume_from`` in pushed jobs
 CHECKPOINT_SINCE = 9
 MAX_CHECKPOINT_DATA = 8192  # bytes of a checkpoint's data as JSON: more is refused

@@ -1,24 +1,33 @@
 """Encoding: messages to JSON text frames, the fast encoders that splice, and frame packing.
 
 ``encode`` writes any message as one frame. The hot paths do not build a
-message object or a dict: ``encode_done`` (an agent, per job),
+message object or a dict: ``encode_done`` (an agent, per job; ``done_or_failed``
+turns a result the server could not take into a permanent ``failed``),
 ``job_message`` and ``jobs_frame`` (the server's push, around payloads that
 are JSON text already) and ``progress_item`` (``fields``). ``pack_results``
 and ``pack_progress`` put many encoded items into as few frames as fit a
-size. Every frame here parses back (``parse``) to what was encoded.
+size; ``fault_frame`` keeps a device fault to the devices the hello named.
+Every frame here parses back (``parse``) to what was encoded.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from gpuq.protocol import messages as m
-from gpuq.protocol.codes import BATCH_SINCE, MAX_RESULTS, PLACEMENT_SINCE, PREFETCH_SINCE
+from gpuq.protocol.codes import (
+    BATCH_SINCE,
+    MAX_FAULT_ERROR,
+    MAX_RESULTS,
+    PLACEMENT_SINCE,
+    PREFETCH_SINCE,
+)
 from gpuq.protocol.describe import device_json, usage_json
-from gpuq.protocol.fields import checkpoint_item, progress_item, to_json
+from gpuq.protocol.fields import checkpoint_item, contains_nul, progress_item, to_json
 from gpuq.protocol.slots import slots_json
 
-__all__ = ["RESULTS_OVERHEAD", "encode", "encode_done", "job_message", "jobs_frame", "pack_checkpoints", "pack_progress",
+__all__ = ["RESULTS_OVERHEAD", "encode", "done_or_failed", "encode_done", "fault_frame", "job_message", "jobs_frame", "pack_checkpoints", "pack_progress",
            "pack_results"]
 
 _RESULTS_HEAD, _RESULTS_TAIL = '{"type":"results","results":[', "]}"
@@ -68,6 +77,9 @@ def encode(msg: m.ServerMessage | m.ClientMessage) -> str:
                 "models": None if msg.models is None else list(msg.models)}
     elif isinstance(msg, m.Drain):
         body = {"type": "drain"}
+    elif isinstance(msg, m.DeviceFault):
+        body = {"type": "device_fault", "devices": list(msg.devices), "source": msg.source, "error": msg.error,
+                "job": msg.job}
     elif isinstance(msg, m.Progress):
         return pack_progress([progress_item(u.id, u.lease_token, u.fraction, u.message, u.data)
                               for u in msg.updates], 1 << 62)[0]
@@ -177,3 +189,28 @@ def job_message(job_id: int, lease_token: str, kind: str, payload_json: str, att
         limit += f',"grace_seconds":{float(grace_seconds)!r}'
     return (f'{{"id":{job_id:d},"lease_token":"{lease_token}","kind":"{kind}","payload":{payload_json},'
             f'"attempt":{attempt:d}{limit}}}')
+
+
+def fault_frame(hello: m.Hello, devices: Iterable[int], source: str, error: str, job_id: int | None) -> str | None:
+    """A ``device_fault`` (``source``: handler, xid or ecc) for those of ``devices`` the hello named
+    (None: none of them)."""
+    known = {d.index for d in hello.devices}
+    mine = tuple(dict.fromkeys(i for i in devices if i in known))
+    return encode(m.DeviceFault(mine, source, error[:MAX_FAULT_ERROR], job_id)) if mine else None
+
+
+def done_or_failed(job_id: int, lease_token: str, result: Any, max_frame: int) -> str:
+    """The encoded ``done``, or a permanent ``failed`` for a result the server could not take (not
+    JSON, over a ``results`` frame of ``max_frame`` bytes, or with U+0000)."""
+    limit = max_frame - RESULTS_OVERHEAD
+    try:
+        item = encode_done(job_id, lease_token, result)
+    except (TypeError, ValueError) as exc:
+        return encode(m.Failed(job_id, lease_token, f"result is not JSON-serializable: {exc}", False))
+    if len(item) > limit:
+        return encode(m.Failed(job_id, lease_token, f"result of {len(item)} bytes is over the server's "
+                               f"limit of {limit} bytes", False))
+    if "\\u0000" in item and contains_nul(result):
+        return encode(m.Failed(job_id, lease_token, "result contains the character U+0000, which "
+                               "PostgreSQL cannot store in jsonb", False))
+    return item

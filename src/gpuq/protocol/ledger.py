@@ -25,7 +25,11 @@ to push. The rules of the account (docs/protocol.md, "Dispatch"):
   items is held; held ready, it is one ready job; it is given only to an agent
   whose hello took batches of that size (``batch``), and numbered here;
 - ``usage`` is each device's last reported usage (only devices the hello
-  named); ``busy`` sums the slots' reports of the last minute (version 6).
+  named); ``busy`` sums the slots' reports of the last minute (version 6);
+- a ``quarantined`` device (the server's quarantine of bad GPUs, issue #33) is
+  given no new job, free or ready; what runs there finishes;
+- a job pushed with devices to ``avoid`` (those its last attempt failed on)
+  gets others when enough fit, else those.
 
 ``device_status`` presents the devices for /status and the dashboard.
 """
@@ -62,6 +66,7 @@ class Ledger:
         self._batched_extra = 0  # held items without devices beyond one per batch: they take no credit
         self._last_batch = 0  # the last batch number given on this connection
         self.usage: dict[int, DeviceUsage] = {}  # device index -> its last reported usage
+        self.quarantined: dict[int, str] = {}  # device index -> why it takes no new job (the server's quarantine)
         self.busy = BusyWindow()  # version 6: the agent's slot reports of the last minute
         self.taking = False  # between the hello and the drain (or the close)
         self._tracks_started = False  # version 5: else every pushed job starts at once
@@ -97,7 +102,8 @@ class Ledger:
         if not self.taking:
             return []
         used = {i for given in self.devices_in_use.values() for i in given}
-        return [d.index for d in self.devices if d.index not in used and d.memory_mb >= min_memory_mb]
+        return [d.index for d in self.devices
+                if d.index not in used and d.index not in self.quarantined and d.memory_mb >= min_memory_mb]
 
     def ready_devices(self, min_memory_mb: int = 0) -> list[int]:
         """Version 6, ``prefetch`` on: indices of the devices that run one held job and have none
@@ -105,7 +111,8 @@ class Ledger:
         if not self.taking or not self._ready_devices:
             return []
         given = Counter(i for _, devices in self._device_units() for i in devices)
-        return [d.index for d in self.devices if given[d.index] == 1 and d.memory_mb >= min_memory_mb]
+        return [d.index for d in self.devices
+                if given[d.index] == 1 and d.index not in self.quarantined and d.memory_mb >= min_memory_mb]
 
     # -- what is held ------------------------------------------------------------
 
@@ -148,11 +155,11 @@ class Ledger:
 
     # -- changes -----------------------------------------------------------------
 
-    def hold(self, job_id: int, lease_token: str, kind: str, gpus: int = 0,
-             min_memory_mb: int = 0, model: str | None = None) -> tuple[int, ...] | None:
+    def hold(self, job_id: int, lease_token: str, kind: str, gpus: int = 0, min_memory_mb: int = 0,
+             model: str | None = None, avoid: frozenset[int] = frozenset()) -> tuple[int, ...] | None:
         """Hold a job being pushed: it takes credit, or ``gpus`` devices of at least ``min_memory_mb``
-        (free ones, else ready ones: it starts when they free). The devices it was given; None,
-        and nothing held, when there are not enough."""
+        (free ones, else ready ones: it starts when they free), those not in ``avoid`` first. The
+        devices it was given; None, and nothing held, when there are not enough."""
         devices: tuple[int, ...] = ()
         if gpus:
             free = self.free_devices(min_memory_mb)
@@ -160,7 +167,7 @@ class Ledger:
                 free = self.ready_devices(min_memory_mb)  # to start when they free
             if len(free) < gpus:
                 return None
-            devices = tuple(free[:gpus])
+            devices = tuple(sorted(free, key=lambda i: i in avoid)[:gpus])  # stable: in index order
         self._keep(job_id, lease_token, kind, devices, model)
         return devices
 
@@ -257,9 +264,28 @@ class Ledger:
         self.usage.update((u.index, u) for u in usage if u.index in known)
 
 
+def failed_here(job: Any, hello: Hello | None) -> frozenset[int]:
+    """The devices of the agent that said ``hello`` (by its name) that the job's last attempt failed
+    on (``failed_devices``: 'agent:index', the server's record): the ones ``hold`` gives it last."""
+    failed = getattr(job, "failed_devices", ())
+    if not failed or hello is None:
+        return frozenset()
+    return frozenset(int(index) for agent, _, index in (f.rpartition(":") for f in failed)
+                     if agent == hello.agent and index.isdigit())
+
+
+def avoiding_first(units: list[list[Any]]) -> list[list[Any]]:
+    """Pushed units in the order their devices are chosen: those with devices to avoid first, so a
+    job that may go anywhere does not take the one device another must not get again."""
+    if not any(getattr(unit[0], "failed_devices", None) for unit in units):
+        return units
+    return sorted(units, key=lambda unit: not getattr(unit[0], "failed_devices", None))
+
+
 def device_status(ledger: Ledger) -> list[dict[str, Any]]:
     """Each device the agent offers, as /status and the dashboard show it: its memory, its last
-    reported usage, the held job running there (``job``) and the one waiting for it (``next``)."""
+    reported usage, the held job running there (``job``), the one waiting for it (``next``) and
+    why it is quarantined (``quarantined``: None when it is not)."""
     running, waiting = ledger.device_jobs()
     out = []
     for d in ledger.devices:
@@ -267,5 +293,6 @@ def device_status(ledger: Ledger) -> list[dict[str, Any]]:
         out.append({"index": d.index, "name": d.name, "memory_mb": d.memory_mb,
                     "memory_used_mb": usage.memory_used_mb if usage else None,
                     "utilization": usage.utilization if usage else None,
-                    "job": running.get(d.index), "next": waiting.get(d.index)})
+                    "job": running.get(d.index), "next": waiting.get(d.index),
+                    "quarantined": ledger.quarantined.get(d.index)})
     return out

@@ -19,8 +19,8 @@ from gpuq.protocol.fields import checkpoint_data, progress_item
 from gpuq.protocol.receipts import Receipt
 from gpuq.protocol.slots import SlotReport
 
-__all__ = ["Ack", "Cancel", "Checkpoint", "CheckpointItem", "Checkpointed", "ClientMessage", "Done", "Drain", "Error",
-           "Failed", "Heartbeat", "Hello", "JobMessage", "Jobs", "Outcome", "Preempt", "Preempted", "Progress",
+__all__ = ["Ack", "Cancel", "Checkpoint", "CheckpointItem", "Checkpointed", "ClientMessage", "DeviceFault", "Done", "Drain",
+           "Error", "Failed", "Heartbeat", "Hello", "JobMessage", "Jobs", "Outcome", "Preempt", "Preempted", "Progress",
            "ProgressUpdate", "Release", "Results", "ServerDrain", "ServerMessage", "Started", "Update", "Welcome",
            "attach_checkpointer", "attach_reporter", "mark_cancelled", "mark_preempted", "on_preempt"]
 
@@ -139,6 +139,17 @@ class Progress:
 
 
 @dataclass(frozen=True, slots=True)
+class DeviceFault:
+    """From the agent (protocol 9): these devices of its hello are bad. ``source``: ``handler`` (the
+    handler raised ``DeviceError``; ``job`` is its job), ``xid`` or ``ecc`` (NVML saw the error)."""
+
+    devices: tuple[int, ...]
+    source: str
+    error: str
+    job: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class CheckpointItem(_LeasedJob):
     """One job's checkpoint: ``seq``, the agent's number for it (the server's answer names it),
     and ``data``, any JSON but null."""
@@ -155,7 +166,7 @@ class Checkpoint:
 
 
 ClientMessage = (Hello | Done | Failed | Preempted | Results | Heartbeat | Drain | Progress | Update | Started
-                 | Release | Checkpoint)
+                 | Release | DeviceFault | Checkpoint)
 
 
 # --------------------------------------------------------------------------

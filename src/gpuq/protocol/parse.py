@@ -22,6 +22,7 @@ from gpuq.protocol.codes import (
     MAX_CANCEL_IDS,
     MAX_CAPACITY,
     MAX_ERROR_TEXT,
+    MAX_FAULT_ERROR,
     MAX_JOB_ID,
     MAX_KINDS,
     MAX_PREEMPT_SECONDS,
@@ -34,7 +35,14 @@ from gpuq.protocol.codes import (
     ErrorCode,
     ProtocolError,
 )
-from gpuq.protocol.describe import check_labels, check_models, devices_from, usage_from
+from gpuq.protocol.describe import (
+    MAX_DEVICE_INDEX,
+    MAX_DEVICES,
+    check_labels,
+    check_models,
+    devices_from,
+    usage_from,
+)
 from gpuq.protocol.fields import (
     BAD_MESSAGE,
     batch_number,
@@ -57,6 +65,7 @@ from gpuq.protocol.slots import slots_from
 __all__ = ["AGENT_NAME", "parse_client", "parse_server"]
 
 AGENT_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
+FAULT_SOURCES = ("handler", "xid", "ecc")  # what saw a device fault: the handler, NVML (Xid, ECC)
 
 
 # --------------------------------------------------------------------------
@@ -105,6 +114,8 @@ def parse_client(frame: str | bytes, max_size: int) -> m.ClientMessage:
     if kind == "update":
         return m.Update(None if obj["labels"] is None else check_labels(obj["labels"], "update.labels"),
                         None if obj["models"] is None else check_models(obj["models"], "update.models"))
+    if kind == "device_fault":
+        return _device_fault(obj)
     if kind == "progress":
         updates = obj["updates"]
         if not isinstance(updates, list) or not 1 <= len(updates) <= MAX_RESULTS:
@@ -134,6 +145,7 @@ _CLIENT_FIELDS = {
     "update": {"type", "labels", "models"},
     "started": {"type", "ids"},
     "release": {"type", "ids"},
+    "device_fault": {"type", "devices", "source", "error", "job"},
 }
 _HELLO_4_FIELDS = _CLIENT_FIELDS["hello"] | {"devices", "labels", "models"}
 _HELLO_5_FIELDS = _HELLO_4_FIELDS | {"prefetch"}
@@ -151,6 +163,24 @@ def _progress_update(obj: Any) -> m.ProgressUpdate:
     except ValueError as exc:
         raise ProtocolError(BAD_MESSAGE, str(exc)) from None
     return m.ProgressUpdate(job_id(obj["id"]), token(obj["lease_token"]), fraction, message, obj["data"])
+
+
+def _device_fault(obj: dict[str, Any]) -> m.DeviceFault:
+    """Protocol 9: ``devices`` (1-64 distinct indices), ``source`` (handler, xid, ecc), ``error``
+    (a string, kept up to ``MAX_FAULT_ERROR`` characters), ``job`` (a job id, or null)."""
+    devices = obj["devices"]
+    if (not isinstance(devices, list) or not 1 <= len(devices) <= MAX_DEVICES
+            or not all(type(i) is int and 0 <= i <= MAX_DEVICE_INDEX for i in devices)
+            or len(set(devices)) < len(devices)):
+        raise ProtocolError(BAD_MESSAGE, f"device_fault.devices must be a list of 1-{MAX_DEVICES} distinct "
+                            f"device indices 0-{MAX_DEVICE_INDEX}")
+    if obj["source"] not in FAULT_SOURCES:
+        raise ProtocolError(BAD_MESSAGE, f"device_fault.source must be one of {', '.join(FAULT_SOURCES)}")
+    if not isinstance(obj["error"], str):
+        raise ProtocolError(BAD_MESSAGE, "device_fault.error must be a string")
+    job = None if obj["job"] is None else job_id(obj["job"])
+    return m.DeviceFault(tuple(devices), obj["source"], obj["error"][:MAX_FAULT_ERROR].replace("\x00", "\ufffd"),
+                         job)
 
 
 _CHECKPOINT_FIELDS = {"id", "lease_token", "seq", "data"}

@@ -1,7 +1,7 @@
 """The rules of one agent connection, as the server sees it: a state machine without I/O.
 
 The I/O layer (``gpuq.server``) feeds it every frame with ``receive(frame, now)``
-and acts on what it returns: events for the dispatcher, ``frames_to_send()``
+and acts on what it returns: events for the dispatcher (``events.py``), ``frames_to_send()``
 for the socket and ``close_to_send()`` once the connection must end. The
 dispatcher queues jobs, acks and drains through it. What the connection
 holds and may take (credit, devices, usage) is its ``ledger`` (``ledger.py``);
@@ -37,6 +37,10 @@ every rule of the connection lives here:
   ``cancel``) is per item, as for any job.
 - version 8: a pushed job carries its producer's trace (``traceparent``, and
   ``tracestate`` if any) when it has one; never before version 8.
+- version 9: the agent reports bad devices (``device_fault``, for devices its
+  hello named; others are dropped); the server's quarantine is
+  ``ledger.quarantined``. A job whose last attempt failed on devices of this
+  agent gets others here when enough fit (``failed_devices``).
 - version 9: a pushed job carries its last checkpoint (``resume_from``) when
   it has one; the agent's ``checkpoint`` items count only for jobs held with
   that lease token: the others are answered ``refused`` at once, the held
@@ -48,7 +52,6 @@ every rule of the connection lives here:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
@@ -60,14 +63,29 @@ from gpuq.protocol.codes import (
     PREEMPT_SINCE,
     PREFETCH_SINCE,
     PROGRESS_SINCE,
+    QUARANTINE_SINCE,
     SLOTS_SINCE,
     TRACE_SINCE,
     CloseCode,
     ErrorCode,
     ProtocolError,
 )
+from gpuq.protocol.events import (
+    AgentUpdated,
+    CheckpointsReceived,
+    DeviceFaulted,
+    DrainRequested,
+    Event,
+    FrameRefused,
+    HeartbeatReceived,
+    HelloReceived,
+    JobsReleased,
+    OutcomesReceived,
+    ProgressReceived,
+    SlotsReported,
+)
 from gpuq.protocol.frames import encode, job_message, jobs_frame
-from gpuq.protocol.ledger import Ledger
+from gpuq.protocol.ledger import Ledger, avoiding_first, failed_here
 from gpuq.protocol.messages import (
     Ack,
     Cancel,
@@ -75,6 +93,7 @@ from gpuq.protocol.messages import (
     Checkpointed,
     CheckpointItem,
     ClientMessage,
+    DeviceFault,
     Done,
     Drain,
     Error,
@@ -94,7 +113,6 @@ from gpuq.protocol.messages import (
     Welcome,
 )
 from gpuq.protocol.parse import parse_client
-from gpuq.protocol.slots import SlotReport
 
 HELLO_TIMEOUT_SECONDS = 10.0
 MAX_ERRORS_PER_CONNECTION = 100  # then the connection is closed with 4000
@@ -105,77 +123,6 @@ class State(Enum):
     AWAITING_HELLO = "awaiting_hello"
     OPEN = "open"
     CLOSED = "closed"
-
-
-# -- events for the dispatcher ---------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class HelloReceived:
-    hello: Hello
-
-
-@dataclass(frozen=True, slots=True)
-class OutcomesReceived:
-    """Outcomes to persist, each with its job's kind ('?' when not held here); ``freed`` credits;
-    ``ran``: seconds each job ran from its ``started`` (version 5) to its outcome, as received."""
-
-    outcomes: list[tuple[Outcome, str]]
-    freed: int
-    ran: dict[int, float]
-
-
-@dataclass(frozen=True, slots=True)
-class HeartbeatReceived:
-    ids: tuple[int, ...]  # only jobs this connection holds
-
-
-@dataclass(frozen=True, slots=True)
-class DrainRequested:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class AgentUpdated:
-    """Labels or warm models changed (version 4): placement may now differ."""
-
-
-@dataclass(frozen=True, slots=True)
-class ProgressReceived:
-    updates: tuple[ProgressUpdate, ...]  # only jobs this connection holds, with their lease token
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointsReceived:
-    """Version 9: checkpoints to store, only of jobs this connection holds with that lease token;
-    answer them with ``send_checkpointed`` once written."""
-
-    items: tuple[CheckpointItem, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class JobsReleased:
-    """Version 5: held jobs the agent will not start, ``(id, lease_token)``: back to pending now,
-    their attempt not counted; they no longer take credit."""
-
-    jobs: tuple[tuple[int, str], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class SlotsReported:
-    """Version 6: the agent's busy time and gaps since its last report (for the gap histogram)."""
-
-    report: SlotReport
-
-
-class FrameRefused(Error):
-    """A frame got this ``error`` (or, for the same reason, closed the connection): for metrics and logs."""
-
-    __slots__ = ()
-
-
-Event = (HelloReceived | OutcomesReceived | HeartbeatReceived | DrainRequested | ProgressReceived | AgentUpdated
-         | JobsReleased | SlotsReported | FrameRefused | CheckpointsReceived)
 
 
 class PushedJob(Protocol):
@@ -291,13 +238,18 @@ class ServerProtocol:
             return [DrainRequested()]
         if isinstance(msg, Progress):
             return self._progress(msg.updates)
+        if isinstance(msg, DeviceFault):
+            return self._device_fault(msg)
         if isinstance(msg, Checkpoint):
             return self._checkpoint(msg.items)
         raise ProtocolError(ErrorCode.UNEXPECTED, "hello was already received on this connection")
 
     def _outcomes(self, outcomes: tuple[Outcome, ...]) -> OutcomesReceived:
         self._needs(PREEMPT_SINCE if any(isinstance(o, Preempted) for o in outcomes) else 0, "preempted")
-        return OutcomesReceived(*self.ledger.settle(outcomes, self._now))
+        given = self.ledger.devices_in_use
+        failed_on = {o.id: (o.lease_token, given[o.id]) for o in outcomes
+                     if type(o) is Failed and o.id in given and self.ledger.holds(o.id, o.lease_token)} if given else {}
+        return OutcomesReceived(*self.ledger.settle(outcomes, self._now), failed_on)
 
     def _started(self, ids: tuple[int, ...]) -> None:
         self._needs(PREFETCH_SINCE, "started")
@@ -308,6 +260,13 @@ class ServerProtocol:
         self._needs(PREFETCH_SINCE, "release")
         back = self.ledger.release(ids)
         return [JobsReleased(back)] if back else []
+
+    def _device_fault(self, msg: DeviceFault) -> list[Event]:
+        """Only the devices the hello named count; a fault naming none of them is dropped."""
+        self._needs(QUARANTINE_SINCE, "device_fault")
+        known = {d.index for d in self.ledger.devices}
+        mine = tuple(i for i in msg.devices if i in known)
+        return [DeviceFaulted(DeviceFault(mine, msg.source, msg.error, msg.job))] if mine else []
 
     def _needs(self, version: int, what: str) -> None:
         if self.version < version:
@@ -372,8 +331,11 @@ class ServerProtocol:
         refused: list[Any] = []
         queued, traced = self.version >= SLOTS_SINCE, self.version >= TRACE_SINCE
         resumes, yielding = self.version >= CHECKPOINT_SINCE, self.version >= PREEMPT_SINCE
-        for unit in group(jobs):
-            held = self._hold(unit)
+        units = group(jobs)
+        # An agent with devices holds first the jobs that must avoid some (``avoiding_first``).
+        holds = {id(unit): self._hold(unit) for unit in avoiding_first(units)} if self.ledger.devices else None
+        for unit in units:
+            held = self._hold(unit) if holds is None else holds[id(unit)]
             if held is None:
                 refused.extend(unit)
                 continue
@@ -397,7 +359,8 @@ class ServerProtocol:
         memory = max((j.gpu_memory_mb or 0) for j in unit) if gpus else 0
         model = getattr(first, "model", None)
         if getattr(first, "batch", None) is None:
-            devices = self.ledger.hold(first.id, first.lease_token, first.kind, gpus, memory, model)
+            devices = self.ledger.hold(first.id, first.lease_token, first.kind, gpus, memory, model,
+                                       failed_here(first, self.hello) if gpus else frozenset())
             return None if devices is None else (devices, None)
         if any(j.kind != first.kind or getattr(j, "gpus", 0) != gpus for j in unit):
             return None  # the agent would refuse the frame: one batch runs one kind on one set of devices

@@ -239,8 +239,8 @@ WHERE j.ctid = a.ctid
 RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease_token, j.priority, j.leased_by,
           j.payload::text AS payload_json, a.slot, a.ticket, coalesce(j.tenant, 'default') AS tenant,
           coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds,
-          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.traceparent, j.tracestate, j.checkpoint::text AS checkpoint_json,
-          j.grace_seconds;
+          (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.traceparent, j.tracestate,
+          j.failed_devices, j.checkpoint::text AS checkpoint_json, j.grace_seconds;
 
 -- name: lease_placed
 -- Lease up to cardinality($3) pending jobs of kind $1 (not paused, no limit) and placement shape $2, by priority and id, none under a limited key; the i-th goes to slot $3[i].
@@ -272,7 +272,7 @@ RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease
           j.payload::text AS payload_json, s.slot,
           coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds,
           (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.traceparent, j.tracestate,
-          j.checkpoint::text AS checkpoint_json, j.grace_seconds;
+          j.failed_devices, j.checkpoint::text AS checkpoint_json, j.grace_seconds;
 
 -- name: limits_lock
 -- Taken before lease_limited, in its transaction: limited leases run one at a time across dispatchers, each counting the last one's.
@@ -325,7 +325,7 @@ RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease
           j.payload::text AS payload_json, s.slot,
           coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds,
           (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.traceparent, j.tracestate,
-          j.checkpoint::text AS checkpoint_json, j.grace_seconds;
+          j.failed_devices, j.checkpoint::text AS checkpoint_json, j.grace_seconds;
 
 -- name: limit_set
 -- At most $3 jobs leased at once under scope $1 ('kind' or 'key') and name $2 (NULL: no limit); wakes the dispatchers.
@@ -572,6 +572,71 @@ DELETE FROM gpuq.fleet_agents WHERE seen_at < now() - make_interval(secs => $1);
 -- The agents of every other server than $1 seen in the last $2 seconds (a few rows: one per connected agent).
 SELECT server, agent, kinds, protocol, devices, models, labels, draining FROM gpuq.fleet_agents
 WHERE server <> $1 AND seen_at >= now() - make_interval(secs => $2);
+
+-- name: device_fault
+-- Agent $1's devices $2 faulted (source $3: handler, xid or ecc; error $4; job $5 or NULL): recorded; a device with $6 faults within the last $7 seconds (one xid or ecc fault) is quarantined and the dispatchers told. The devices quarantined now, with the reason.
+WITH pruned AS (  -- faults older than the window no longer count: the table keeps only the window's
+    DELETE FROM gpuq.device_faults WHERE agent = $1 AND device = ANY($2::int[]) AND at < now() - make_interval(secs => $7)
+), added AS (
+    INSERT INTO gpuq.device_faults (agent, device, source, error, job_id)
+    SELECT $1, d, $3, left($4, 1024), $5 FROM unnest($2::int[]) AS d
+), counted AS (  -- the statement's snapshot does not see its own insert: + 1
+    SELECT d AS device, 1 + (SELECT count(*) FROM gpuq.device_faults f
+                             WHERE f.agent = $1 AND f.device = d AND f.at >= now() - make_interval(secs => $7)) AS n
+    FROM unnest($2::int[]) AS d
+), quarantined AS (
+    INSERT INTO gpuq.quarantined_devices (agent, device, reason, faults)
+    SELECT $1, device, CASE WHEN $3 = 'handler'
+                            THEN format('%s device faults within %s s, the last: %s', n, $7::int, left($4, 200))
+                            ELSE format('%s: %s', $3, left($4, 200)) END, n
+    FROM counted WHERE n >= $6 OR $3 <> 'handler'
+    ON CONFLICT (agent, device) DO NOTHING
+    RETURNING device, reason
+), told AS (
+    SELECT pg_notify('gpuq_jobs', 'quarantine:' || $1) FROM (SELECT 1 FROM quarantined LIMIT 1) AS any_new
+)
+SELECT device, reason FROM quarantined WHERE (SELECT count(*) FROM told) >= 0;
+
+-- name: quarantine_set
+-- Quarantine agent $1's devices $2 by hand with reason $3 (a device quarantined already keeps its reason); tells the dispatchers.
+WITH added AS (
+    INSERT INTO gpuq.quarantined_devices (agent, device, reason) SELECT $1, d, $3 FROM unnest($2::int[]) AS d
+    ON CONFLICT (agent, device) DO NOTHING
+    RETURNING device
+)
+SELECT pg_notify('gpuq_jobs', 'quarantine:' || $1), (SELECT coalesce(array_agg(device ORDER BY device), '{}') FROM added) AS added;
+
+-- name: quarantine_clear
+-- Clear the quarantine of agent $1's devices $2 (NULL: every device of it) and forget their faults; tells the dispatchers.
+WITH cleared AS (
+    DELETE FROM gpuq.quarantined_devices WHERE agent = $1 AND ($2::int[] IS NULL OR device = ANY($2)) RETURNING device
+), forgot AS (
+    DELETE FROM gpuq.device_faults WHERE agent = $1 AND ($2::int[] IS NULL OR device = ANY($2))
+)
+SELECT pg_notify('gpuq_jobs', 'quarantine:' || $1),
+       (SELECT coalesce(array_agg(device ORDER BY device), '{}') FROM cleared) AS cleared;
+
+-- name: quarantined
+-- Every quarantined device (a few rows), by agent and index.
+SELECT agent, device, reason, faults, since FROM gpuq.quarantined_devices ORDER BY agent, device;
+
+-- name: quarantined_of
+-- The quarantined devices of agents named $1, with the reason (read when one connects, or is told its quarantine changed).
+SELECT agent, device, reason FROM gpuq.quarantined_devices WHERE agent = ANY($1::text[]);
+
+-- name: failed_devices
+-- The jobs $1, still leased with tokens $2, failed on devices $3 ('agent:index,...' each): their next attempt goes elsewhere when it can.
+UPDATE gpuq.jobs j
+SET failed_devices = string_to_array(f.devices, ',')
+FROM unnest($1::bigint[], $2::uuid[], $3::text[]) AS f(id, token, devices)
+WHERE j.id = f.id AND j.status::text = 'leased' AND j.lease_token = f.token;
+
+-- name: move_leases
+-- Jobs $1, still leased with tokens $2, go to agents $3 instead (placement moved them off the devices they failed on).
+UPDATE gpuq.jobs j
+SET leased_by = m.agent
+FROM unnest($1::bigint[], $2::uuid[], $3::text[]) AS m(id, token, agent)
+WHERE j.id = m.id AND j.status::text = 'leased' AND j.lease_token = m.token;
 
 -- name: complete_many
 -- Mark jobs done where (id, lease_token) still holds the lease, and tell waiters (gpuq_outcomes); returns the ids accepted.
@@ -877,7 +942,7 @@ SELECT id, kind, status::text AS status, priority, attempts, max_attempts, paylo
        finished_at, dedup_key, timeout_seconds, deadline_at, progress::text AS progress,
        gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, batch_id, batch_size,
        traceparent, tracestate, coalesce(tenant, 'default') AS tenant,
-       checkpoint::text AS checkpoint, checkpoint_at, checkpoint_attempt,
+       failed_devices, checkpoint::text AS checkpoint, checkpoint_at, checkpoint_attempt,
        preemptible, grace_seconds, max_preemptions, preemptions, preempt_at
 FROM gpuq.jobs WHERE id = $1;
 

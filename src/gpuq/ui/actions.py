@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
-from gpuq import admin, logs, schedules
+from gpuq import admin, logs, quarantine, schedules
 from gpuq.batches import describe
 from gpuq.ui import params, views
 
@@ -148,6 +148,15 @@ async def remove_tenant(pool: Any, query: dict[str, str]) -> Outcome:
     return DONE
 
 
+async def clear_device(pool: Any, query: dict[str, str]) -> Outcome:
+    """``gpuq device clear AGENT:INDEX`` (or ``AGENT``: all of its devices): 404 if none was quarantined."""
+    device = query.get("device", "").strip()
+    agent, index = quarantine.parse_device(device)
+    cleared = await quarantine.clear(pool, agent, index)
+    log.info("ui.action", action="clear_device", device=device, cleared=cleared)
+    return DONE if cleared else (HTTPStatus.NOT_FOUND, f"{device[:100]}: not quarantined\n")
+
+
 ACTIONS: dict[str, Callable[[Any, dict[str, str]], Awaitable[Outcome]]] = {
     "/ui/kinds/pause": pause, "/ui/kinds/resume": resume, "/ui/jobs/cancel": cancel, "/ui/jobs/retry": retry,
     "/ui/jobs/preempt": preempt,
@@ -155,5 +164,6 @@ ACTIONS: dict[str, Callable[[Any, dict[str, str]], Awaitable[Outcome]]] = {
     "/ui/limits/set": set_limit, "/ui/timeouts/set": set_timeout,
     "/ui/batching/set": set_batching, "/ui/batching/remove": remove_batching,
     "/ui/tenants/set": set_tenant, "/ui/tenants/remove": remove_tenant,
+    "/ui/devices/clear": clear_device,
 }
 

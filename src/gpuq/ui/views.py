@@ -10,7 +10,7 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from gpuq import admin, schedules
+from gpuq import admin, quarantine, schedules
 from gpuq.fleet import Fleet
 from gpuq.jobs import LIST_STATES, JobFilter, error_line
 
@@ -99,13 +99,14 @@ def pretty(value: Any) -> str | None:
 
 async def controls(fleet: Fleet) -> dict[str, Any]:
     """What operators set with the CLI: paused kinds, limits (with what runs under each), kinds'
-    default timeouts, batching policies, tenants' weights (with their usage), periodic jobs. Small
+    default timeouts, batching policies, tenants' weights (with their usage), periodic jobs, quarantined
+    GPUs. Small
     tables; a limit's count reads the leased partial indexes, the tenants' as ``admin.tenants``."""
     pool = fleet.pool
     return {"paused": await admin.paused(pool), "limits": await admin.limits(pool),
             "timeouts": await admin.kind_timeouts(pool), "batching": await admin.batching(pool),
             "tenants": await admin.tenants(pool), "half_life": await admin.half_life(pool),
-            "schedules": await schedules.listing(pool)}
+            "schedules": await schedules.listing(pool), "quarantined": await quarantine.listing(pool)}
 
 
 def when(at: datetime | None, seconds: bool = False) -> str:
