@@ -162,3 +162,13 @@ def test_a_pushed_job_with_grace_seconds_is_preemptible_and_yield_running_marks_
     assert not jobs[2].preempted
     with pytest.raises(ProtocolError):
         parse_server(frame.replace('"grace_seconds": 2', '"grace_seconds": 0'))
+
+
+def test_once_the_agent_leaves_a_push_that_crossed_the_drain_goes_back_whole():
+    p = agent(capacity=2, prefetch=0)
+    p.drain()
+    p.frames_to_send()
+    p.yield_running(within=5)  # an interruption: nothing runs yet
+    assert pushed(p, 1, 2) == []  # a free slot or not, none starts
+    assert [json.loads(f) for f in p.frames_to_send()] == [{"type": "release", "ids": [1, 2]}]
+    assert not p.running and p.finished

@@ -250,7 +250,10 @@ class AgentProtocol(Yielding):
 
     def take(self, jobs: Iterable[JobMessage]) -> list[Unit]:
         """Pushed jobs to start now, each batch as one ``Batch``; the others wait ready for
-        ``next_jobs()`` (or, pushed while the agent drains, go back at once)."""
+        ``next_jobs()`` (or, pushed while the agent drains, go back at once; all of them once it leaves)."""
+        if self.leaving:
+            self._give_back(list(units(jobs)))
+            return []
         now: list[Unit] = []
         for job in units(jobs):
             if job.devices:

@@ -7,7 +7,8 @@
   named jobs that wait ready: they never start here;
 - ``yield_running`` marks every running preemptible job (pushed with
   ``grace_seconds``) when the agent must leave (an interruption, SIGTERM),
-  each by its grace, or sooner;
+  each by its grace, or sooner; from then on a push that crossed the drain
+  goes back whole, none of it started (``leaving``);
 - a job preempted already keeps its first deadline;
 - ``job_preempted`` reports a job that yielded (``preempted``).
 """
@@ -26,6 +27,7 @@ class Yielding:
 
     running: dict[int, JobMessage]  # what AgentProtocol holds, as this part reads it
     clock: Callable[[], float]
+    leaving = False  # yield_running was called: the agent must leave, and starts nothing new
 
     @property
     def waiting(self) -> list[Unit]:
@@ -47,7 +49,7 @@ class Yielding:
     def yield_running(self, within: float | None = None) -> tuple[int, ...]:
         """The agent must leave (an interruption, SIGTERM): mark its running preemptible jobs preempted,
         each to yield within its grace, or ``within`` seconds if sooner; their ids."""
-        now = self.clock()
+        now, self.leaving = self.clock(), True
         return preempt_all(list(self.running.values()), lambda job: None if job.grace_seconds is None else
                            now + (job.grace_seconds if within is None else min(within, job.grace_seconds)))
 
