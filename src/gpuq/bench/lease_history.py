@@ -130,7 +130,7 @@ async def _build(conn: Any, done: int) -> float:
             common.progress(f"done={done:,}: inserted {hi:,} done rows ({time.perf_counter() - t0:.1f}s)")
     finally:
         await conn.execute(common.queries["trigger_on"])
-    await conn.execute(common.queries["insert_pending"], KIND, PENDING, TENANTS)
+    await conn.execute(common.queries["insert_pending_tenants"], KIND, PENDING, TENANTS)
     common.progress(f"done={done:,}: copying into gpuq_naive.jobs")
     await conn.execute(common.queries["naive_drop"])
     await conn.execute(common.queries["naive_create"])

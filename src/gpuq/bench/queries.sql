@@ -14,6 +14,11 @@ SELECT setting FROM pg_settings WHERE name = 'data_directory';
 DROP SCHEMA IF EXISTS gpuq CASCADE;
 
 -- name: insert_pending
+-- $2 pending jobs of kind $1 in one statement.
+INSERT INTO gpuq.jobs (kind, payload)
+SELECT $1, jsonb_build_object('i', g) FROM generate_series(1, $2::int) AS g;
+
+-- name: insert_pending_tenants
 -- $2 pending jobs of kind $1 in one statement, of $3 tenants in turn (t0, t1, ...).
 INSERT INTO gpuq.jobs (kind, payload, tenant)
 SELECT $1, jsonb_build_object('i', g), 't' || (g % $3) FROM generate_series(1, $2::int) AS g;
