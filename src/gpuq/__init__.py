@@ -18,16 +18,17 @@ if TYPE_CHECKING:
         cancel,
         enqueue,
         enqueue_many,
+        preempt,
         show,
         wait,
     )
 
 __all__ = ["JobCancelled", "JobDead", "JobError", "NewJob", "WaitTimeout", "cancel", "enqueue", "enqueue_many",
-           "show", "wait"]
+           "preempt", "show", "wait"]
 __version__ = "0.1.0"
 
 _LAZY = {"NewJob": "gpuq.jobs", **dict.fromkeys(
-    ("enqueue", "enqueue_many", "cancel", "show", "wait", "JobError", "JobDead", "JobCancelled", "WaitTimeout"),
+    ("enqueue", "enqueue_many", "cancel", "preempt", "show", "wait", "JobError", "JobDead", "JobCancelled", "WaitTimeout"),
     "gpuq.producer")}
 
 

@@ -1,7 +1,7 @@
 """The operator's side of the queue over ``sql/queries.sql``: control and reads, not the job lifecycle.
 
 Control: pause and resume kinds, limits, kinds' default timeouts, batching
-policies, tenants' weights and the usage half-life, retry and cancel jobs
+policies, tenants' weights and the usage half-life, retry, cancel and preempt jobs
 (the ``gpuq`` admin commands and the dashboard's actions). Reads: one job,
 pages of jobs, live counts, tenants' usage (``gpuq show``/``jobs``/``status``,
 ``/status`` and the dashboard). Each read stays bounded whatever the history:
@@ -155,6 +155,13 @@ async def cancel(db: DB, *job_ids: int) -> dict[int, str]:
     result is fenced out. Returns each job cancelled and the state it left
     (jobs already finished, or unknown, are not in it)."""
     return {r["id"]: r["was"] for r in await db.fetch(queries["cancel"], list(job_ids))}
+
+
+async def preempt(db: DB, *job_ids: int) -> dict[int, float]:
+    """Ask running jobs to yield (``gpuq.preempt``): those preemptible, with preemptions left and not
+    asked within their grace time. Each job asked -> its grace seconds (the agent stops it then,
+    and it goes back to pending without counting the attempt)."""
+    return {r["id"]: r["grace_seconds"] for r in await db.fetch(queries["preempt"], list(job_ids))}
 
 
 # -- reads ---------------------------------------------------------------------

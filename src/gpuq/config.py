@@ -107,7 +107,7 @@ class Setting:
         return self.used_by or ", ".join(self.flags)
 
 
-_DB_COMMANDS = ("migrate", "serve", "sweep", "enqueue", "status", "jobs", "pause", "resume", "retry", "cancel", "show",
+_DB_COMMANDS = ("migrate", "serve", "sweep", "enqueue", "status", "jobs", "pause", "resume", "retry", "cancel", "preempt", "show",
                 "wait", "schedule", "kind-timeout", "limit", "batch", "tenant", "device")
 
 SETTINGS: tuple[Setting, ...] = (
@@ -165,6 +165,9 @@ SETTINGS: tuple[Setting, ...] = (
             "a job naming a model waits up to this long for an agent holding it warm before it goes to "
             "one that must load it (0: never waits); set it near your models' load time",
             {SERVE: "--warm-wait"}),
+    Setting("preempt_min_run_seconds", "GPUQ_PREEMPT_MIN_RUN", 60.0, parse_duration,
+            "a GPU job that finds no free devices may preempt lower-priority preemptible jobs that ran at "
+            "least this long", {SERVE: "--preempt-min-run"}),
     Setting("quarantine_faults", "GPUQ_QUARANTINE_FAULTS", 3, parse_int,
             "a GPU whose jobs raise DeviceError this many times within GPUQ_QUARANTINE_WINDOW is "
             "quarantined: no new job goes there until `gpuq device clear` (an Xid or uncorrectable ECC "
@@ -205,6 +208,10 @@ SETTINGS: tuple[Setting, ...] = (
             "on SIGTERM, an agent stops taking jobs and exits once its running jobs are reported, or "
             "after this long whatever is left (logged; the server gives running jobs back)",
             {AGENT: "--drain-seconds"}, shown="none: waits for every report"),
+    Setting("interruption_notice", "GPUQ_INTERRUPTION_NOTICE", None, parse_duration,
+            "on SIGTERM, a spot interruption with this much notice: jobs held ready go back at once, running "
+            "preemptible jobs yield within the notice less a margin (their attempt not counted), and the agent "
+            "exits by the notice", {AGENT: "--interruption-notice"}, shown="none: a stop (--drain-seconds)"),
     Setting("capacity", "GPUQ_CAPACITY", 1, parse_int, "jobs run at once", {AGENT: "--capacity"}),
     Setting("prefetch", "GPUQ_PREFETCH", 1, parse_int,
             "jobs held ready beyond capacity (and one per busy GPU), so a freed slot starts the next at once (0: none)",
@@ -313,6 +320,7 @@ class ServerConfig:
     max_messages_per_second: int = default("max_messages_per_second")
     reserve_after_seconds: float = default("reserve_after_seconds")
     warm_wait_seconds: float = default("warm_wait_seconds")
+    preempt_min_run_seconds: float = default("preempt_min_run_seconds")
     quarantine_faults: int = default("quarantine_faults")
     quarantine_window_seconds: float = default("quarantine_window_seconds")
 
@@ -331,8 +339,9 @@ class ServerConfig:
             raise ConfigError("a dashboard token is also an agent token: give the dashboard its own")
         if self.ui_tokens & self.ui_admin_tokens:
             raise ConfigError("a token is both read-only and admin for the dashboard: give each one role")
-        if self.warm_wait_seconds < 0:
-            raise ConfigError(f"warm_wait_seconds must be 0 or more, not {self.warm_wait_seconds}")
+        for name in ("warm_wait_seconds", "preempt_min_run_seconds"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be 0 or more, not {getattr(self, name)}")
         if self.max_payload < 1024:
             raise ConfigError(f"max_payload must be at least 1024 bytes, not {self.max_payload}")
         for name in ("max_batch", "max_connections", "max_connections_per_ip", "max_messages_per_second",

@@ -20,6 +20,10 @@ from gpuq.protocol.describe import LABEL_RULE, MODEL_RULE, is_label, is_model
 from gpuq.tenants import check_tenant
 
 LIVE_STATES = ("pending", "leased", "scheduled")
+# A preemptible job's defaults (the columns' of migration 0023, and enqueue's).
+DEFAULT_GRACE_SECONDS = 30.0
+DEFAULT_MAX_PREEMPTIONS = 10
+MAX_GRACE_SECONDS = 86400.0
 # A W3C trace context, (traceparent, tracestate or None): what a job carries of its producer's trace.
 TraceContext = tuple[str, str | None]
 LIST_STATES = ("pending", "leased", "scheduled", "done", "dead", "cancelled", "failed")  # failed: dead or cancelled
@@ -47,12 +51,18 @@ class NewJob:
     batch_key: str | None = None
     # Fair share (docs/design.md, "Fair share"): whose GPU-seconds it charges (None: the default tenant).
     tenant: str | None = None
+    # Preemption (docs/design.md, "Preemption"): it may be asked to yield, with grace_seconds to stop
+    # in, at most max_preemptions times; then it goes back to pending without counting the attempt.
+    preemptible: bool = False
+    grace_seconds: float = DEFAULT_GRACE_SECONDS
+    max_preemptions: int = DEFAULT_MAX_PREEMPTIONS
 
     @property
     def placed(self) -> bool:
-        """Whether it has a placement requirement (else any agent of its kind may take it)."""
+        """Whether it has a placement requirement (else any agent of its kind may take it): a
+        preemptible job has one (an agent that can yield, protocol 9)."""
         return bool(self.gpus or self.gpu_memory_mb is not None or self.labels or self.model is not None
-                    or self.concurrency_key is not None)
+                    or self.concurrency_key is not None or self.preemptible)
 
     def __post_init__(self) -> None:
         # The table's rules (the kind CHECK, the placement trigger), as readable errors.
@@ -67,8 +77,17 @@ class NewJob:
         check_timeout(self.timeout_seconds)
         check_placement(self.gpus, self.gpu_memory_mb, self.labels, self.model, self.concurrency_key)
         check_batching(self.cost, self.batch_key)
+        check_preemption(self.grace_seconds, self.max_preemptions)
         if self.tenant is not None:
             check_tenant(self.tenant)
+
+    @staticmethod
+    def yields(jobs: Sequence[NewJob]) -> tuple[list[Any] | None, ...]:
+        """The insert's preemption arrays (preemptible, grace_seconds, max_preemptions): NULL arrays
+        where no job is preemptible (unnest pads them with NULLs)."""
+        if not any(j.preemptible for j in jobs):
+            return None, None, None
+        return [j.preemptible for j in jobs], [float(j.grace_seconds) for j in jobs], [j.max_preemptions for j in jobs]
 
     @classmethod
     def from_mapping(cls, given: Mapping[str, Any]) -> NewJob:
@@ -94,11 +113,11 @@ class NewJob:
         return cls(**values)
 
 
-SHORT_NAMES = {"delay": "delay_seconds", "timeout": "timeout_seconds"}  # the CLI's names of NewJob's fields
+SHORT_NAMES = {"delay": "delay_seconds", "timeout": "timeout_seconds", "grace": "grace_seconds"}  # the CLI's names of NewJob's fields
 _FIELDS = {f.name for f in fields(NewJob)}
 _NULLABLE = {"payload", "run_at", "dedup_key", "timeout_seconds", "gpu_memory_mb", "model", "concurrency_key",
              "cost", "batch_key", "tenant"}
-_WHOLE = {"priority", "max_attempts", "gpus", "timeout_seconds", "gpu_memory_mb", "cost"}
+_WHOLE = {"priority", "max_attempts", "gpus", "timeout_seconds", "gpu_memory_mb", "cost", "max_preemptions"}
 _TEXT = {"kind", "dedup_key", "model", "concurrency_key", "batch_key", "tenant"}
 
 
@@ -108,8 +127,10 @@ def _check_type(name: str, value: Any) -> None:
         return
     if name in _WHOLE and (not isinstance(value, int) or isinstance(value, bool)):
         raise ValueError(f"{name} must be a whole number, not {value!r}")
-    if name == "delay_seconds" and (not isinstance(value, int | float) or isinstance(value, bool)):
-        raise ValueError(f"delay must be a number of seconds, not {value!r}")
+    if name in ("delay_seconds", "grace_seconds") and (not isinstance(value, int | float) or isinstance(value, bool)):
+        raise ValueError(f"{name.removesuffix('_seconds')} must be a number of seconds, not {value!r}")
+    if name == "preemptible" and not isinstance(value, bool):
+        raise ValueError(f"preemptible must be true or false, not {value!r}")
     if name in _TEXT and not isinstance(value, str):
         raise ValueError(f"{name} must be a string, not {value!r}")
     if name == "run_at" and not isinstance(value, datetime):
@@ -150,6 +171,14 @@ def check_batching(cost: int | None, batch_key: str | None) -> None:
         raise ValueError("batch_key must be 1-200 characters")
 
 
+def check_preemption(grace_seconds: float, max_preemptions: int) -> None:
+    """The placement trigger's rules on a job's preemption columns (migration 0023), as readable errors."""
+    if not 0 < grace_seconds <= MAX_GRACE_SECONDS:
+        raise ValueError(f"grace must be above 0 and at most {MAX_GRACE_SECONDS:g} seconds, not {grace_seconds}")
+    if max_preemptions < 0:
+        raise ValueError(f"max_preemptions must not be negative, not {max_preemptions}")
+
+
 MAX_COST = 2**63 - 1  # bigint
 # A batching policy's bounds (gpuq.batch_policies' CHECKs, migration 0017).
 MAX_BATCH_ITEMS = 4096
@@ -176,6 +205,7 @@ class LeasedJob:
     batch: int | None = None  # batched jobs: the batch's number (its jobs go in one handler call)
     # The producer's trace (None: none), pushed to agents of protocol 8 (docs/design.md, "Tracing").
     trace: TraceContext | None = None
+    grace_seconds: float | None = None  # a preemptible job's time to yield (pushed to agents of protocol 9)
     # Placed jobs: the devices ('agent:index') its last attempt failed on; placement avoids them when it can.
     failed_devices: tuple[str, ...] = ()
     # The job's last checkpoint as PostgreSQL's JSON text (None: none), pushed to agents of protocol 9
@@ -209,6 +239,7 @@ class Shape:
     labels: frozenset[str]
     model: str | None
     keyed: bool
+    preemptible: bool = False  # its jobs go only to agents that can yield them (protocol 9)
 
     @property
     def key(self) -> tuple[str, str]:

@@ -5,7 +5,8 @@ Pure functions over ``Shape`` and what agents said in their hello
 placement"):
 
 - hard requirements are never bent: the kind, protocol 4 (an older agent
-  cannot say what it has, so it gets plain jobs only), every label, and
+  cannot say what it has, so it gets plain jobs only), protocol 9 for a
+  preemptible job (an older agent cannot yield it), every label, and
   ``gpus`` free devices with at least ``gpu_memory_mb`` each, on one agent;
 - a job without GPUs takes the agent's plain credit (``capacity``); one with
   GPUs takes devices, one job per device;
@@ -34,7 +35,7 @@ from types import MappingProxyType
 from typing import Protocol
 
 from gpuq.jobs import Shape
-from gpuq.protocol import PLACEMENT_SINCE, Device
+from gpuq.protocol import PLACEMENT_SINCE, PREEMPT_SINCE, Device
 
 ShapeKey = tuple[str, str]  # (kind, digest): Shape.key
 NONE: Mapping[str, ShapeKey] = MappingProxyType({})
@@ -68,6 +69,8 @@ def could_run(shape: Shape, agent: Candidate) -> bool:
         return False
     if shape.plain:
         return True  # a limited kind's plain jobs: any agent of the kind, any version
+    if shape.preemptible and agent.version < PREEMPT_SINCE:
+        return False
     if agent.version < PLACEMENT_SINCE or not shape.labels <= agent.labels:
         return False
     return shape.gpus <= sum(d.memory_mb >= (shape.gpu_memory_mb or 0) for d in agent.devices)
@@ -171,6 +174,8 @@ def why_unplaceable(shape: Shape, agents: Sequence[Candidate]) -> str | None:
     takers = [a for a in takers if a.version >= PLACEMENT_SINCE]
     if not takers:
         return f"no agent taking {shape.kind} speaks protocol {PLACEMENT_SINCE} (older agents get plain jobs only)"
+    if shape.preemptible and not (takers := [a for a in takers if a.version >= PREEMPT_SINCE]):
+        return f"no agent taking {shape.kind} speaks protocol {PREEMPT_SINCE} (older agents cannot yield preemptible jobs)"
     labelled = [a for a in takers if shape.labels <= a.labels]
     if not labelled:
         return f"no agent taking {shape.kind} has the labels {', '.join(sorted(shape.labels))}"

@@ -27,7 +27,7 @@ from gpuq.db import (
     probe,
     unlisten,
 )
-from gpuq.jobs import NewJob
+from gpuq.jobs import DEFAULT_GRACE_SECONDS, DEFAULT_MAX_PREEMPTIONS, NewJob
 from gpuq.loops import LoopBackoff
 from gpuq.sql import DB, queries
 
@@ -53,6 +53,9 @@ async def enqueue(
     cost: int | None = None,
     batch_key: str | None = None,
     tenant: str | None = None,
+    preemptible: bool = False,
+    grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    max_preemptions: int = DEFAULT_MAX_PREEMPTIONS,
 ) -> int:
     """Enqueue one job and return its id (the live job's id if deduplicated).
 
@@ -62,14 +65,18 @@ async def enqueue(
     ``labels``; one holding ``model`` warm if any fits; ``concurrency_key``
     for global limits. Batching (a kind with a policy, ``gpuq batch``): ``cost``, its share of a
     batch's ``max_cost``; ``batch_key``: only jobs of one key share a batch. ``tenant``: whose
-    GPU-seconds it charges under fair share (None: the default tenant; ``gpuq tenant``). ``ValueError``
-    for a bad value (``NewJob.from_mapping``).
+    GPU-seconds it charges under fair share (None: the default tenant; ``gpuq tenant``). ``preemptible``:
+    it may be asked to yield (``gpuq preempt``, a higher-priority job, a spot interruption), and then has
+    ``grace_seconds`` to stop before its agent stops it; it goes back to pending without counting the
+    attempt, at most ``max_preemptions`` times (then it runs to its end). ``ValueError`` for a bad value
+    (``NewJob.from_mapping``).
     """
     job = NewJob.from_mapping({
         "kind": kind, "payload": payload, "priority": priority, "max_attempts": max_attempts, "delay": delay,
         "run_at": run_at, "dedup_key": dedup_key, "timeout_seconds": timeout_seconds, "gpus": gpus,
         "gpu_memory_mb": gpu_memory_mb, "labels": labels, "model": model, "concurrency_key": concurrency_key,
-        "cost": cost, "batch_key": batch_key, "tenant": tenant})
+        "cost": cost, "batch_key": batch_key, "tenant": tenant, "preemptible": preemptible,
+        "grace_seconds": grace_seconds, "max_preemptions": max_preemptions})
     return (await enqueue_many(db, [job]))[0]
 
 
@@ -95,6 +102,12 @@ async def _enqueue_traced(db: DB | str, jobs: Sequence[NewJob]) -> list[int]:
 async def cancel(db: DB | str, *job_ids: int) -> dict[int, str]:
     """Cancel live jobs (pending, scheduled or running); each one cancelled -> the state it left."""
     return await _with(db, lambda c: admin.cancel(c, *job_ids))
+
+
+async def preempt(db: DB | str, *job_ids: int) -> dict[int, float]:
+    """Ask running preemptible jobs to yield (with preemptions left, not asked within their grace time);
+    each one asked -> its grace seconds. They go back to pending as their agents report them."""
+    return await _with(db, lambda c: admin.preempt(c, *job_ids))
 
 
 async def show(db: DB | str, job_id: int) -> dict[str, Any] | None:

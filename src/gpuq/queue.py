@@ -57,7 +57,7 @@ def _columns(jobs: Sequence[NewJob], trace: TraceContext | None) -> tuple[list[A
         [j.cost for j in jobs], [j.batch_key for j in jobs])
     # The default tenant is stored as NULL: its jobs have no entry in jobs_tenant_pending_idx.
     tenants = [None if j.tenant == DEFAULT_TENANT else j.tenant for j in jobs]
-    return (*plain, *placed, *batching, tenants if any(tenants) else None, *(trace or (None, None)))
+    return (*plain, *placed, *batching, tenants if any(tenants) else None, *(trace or (None, None)), *NewJob.yields(jobs))
 
 
 async def enqueue_many(db: DB, jobs: Sequence[NewJob], trace: TraceContext | None = None) -> list[int]:
@@ -178,7 +178,7 @@ BY_SLOT = operator.itemgetter("slot")
 async def read_shapes(db: DB) -> list[Shape]:
     """Every placement class ever enqueued (gpuq.shapes: a few rows)."""
     return [Shape(r["kind"], r["shape"], r["gpus"], r["gpu_memory_mb"], frozenset(r["labels"]), r["model"],
-                  r["keyed"]) for r in await db.fetch(queries["shapes"])]
+                  r["keyed"], r["preemptible"]) for r in await db.fetch(queries["shapes"])]
 
 
 async def lease_placed(db: DB, shape: Shape, slots: Sequence[str], lease_seconds: float) -> list[LeasedJob]:
@@ -197,7 +197,7 @@ def _placed_jobs(shape: Shape, rows: list[Any]) -> list[LeasedJob]:
 def placed_job(shape: Shape, r: Any, batch: int | None = None) -> LeasedJob:
     return LeasedJob(r["id"], r["kind"], r["attempts"], r["max_attempts"], r["lease_token"], r["priority"],
                      r["leased_by"], r["payload_json"], r["timeout_seconds"], shape.gpus, shape.gpu_memory_mb,
-                     r["queued_ms"], shape.model, batch,
+                     r["queued_ms"], shape.model, batch, grace_seconds=r["grace_seconds"] if shape.preemptible else None,
                      trace=None if (tp := r["traceparent"]) is None else (tp, r["tracestate"]),
                      failed_devices=tuple(r.get("failed_devices") or ()), resume_json=r["checkpoint_json"])
 
@@ -365,7 +365,7 @@ async def heartbeat(db: DB, ids: Sequence[int], agent: str, lease_seconds: float
 
 # The attempt that was running still counts: a job that keeps killing its
 # agents runs out of attempts and ends dead instead of looping forever.
-async def _move_and_notify(db: DB, name: str, *args: Any) -> Moved:
+async def move_and_notify(db: DB, name: str, *args: Any) -> Moved:
     rows = await db.fetch(queries[name], *args)
     moved = Moved([r["id"] for r in rows if r["status"] == "pending"],
                   [r["id"] for r in rows if r["status"] == "dead"],
@@ -381,7 +381,7 @@ async def release_agent(db: DB, agent: str, started: Sequence[int]) -> Moved:
     """An agent disconnected: its leased jobs go back to pending at once; only the ``started`` ones
     count their attempt (a prefetched job, or one leased while the agent left, never ran), and,
     while fair share is on, charge their GPU-seconds so far."""
-    return await _move_and_notify(db, "release_agent", agent, "agent disconnected during the last attempt",
+    return await move_and_notify(db, "release_agent", agent, "agent disconnected during the last attempt",
                                   list(started))
 
 
@@ -389,7 +389,7 @@ async def release_unstarted(db: DB, jobs: Sequence[tuple[int, str]]) -> Moved:
     """Jobs ``(id, lease_token)`` an agent gives back unstarted: pending again, the attempt not counted."""
     if not jobs:
         return Moved([], [], set())
-    return await _move_and_notify(db, "release_unstarted", [i for i, _ in jobs], [t for _, t in jobs])
+    return await move_and_notify(db, "release_unstarted", [i for i, _ in jobs], [t for _, t in jobs])
 
 
 async def release_jobs(db: DB, ids: Sequence[int], undelivered: bool = False) -> Moved:
@@ -397,13 +397,13 @@ async def release_jobs(db: DB, ids: Sequence[int], undelivered: bool = False) ->
     got (their agent left before the push), whose attempt does not count."""
     if not ids:
         return Moved([], [], set())
-    return await _move_and_notify(db, "release_jobs", list(ids), "released during the last attempt", undelivered)
+    return await move_and_notify(db, "release_jobs", list(ids), "released during the last attempt", undelivered)
 
 
 async def reclaim_expired(db: DB, limit: int = 1000) -> Moved:
     """Sweeper: expired leases back to pending (or dead when out of attempts); while fair share is
     on each charges its GPU-seconds until the lease expired."""
-    return await _move_and_notify(db, "reclaim_expired", limit, "lease expired after the last attempt")
+    return await move_and_notify(db, "reclaim_expired", limit, "lease expired after the last attempt")
 
 
 async def expire_deadlines(db: DB, limit: int, grace_seconds: float, backoff: JobBackoff = DEFAULT_BACKOFF) -> Moved:
@@ -422,7 +422,7 @@ async def expire_deadlines(db: DB, limit: int, grace_seconds: float, backoff: Jo
 
 async def promote_due(db: DB, limit: int = 1000) -> Moved:
     """Sweeper: scheduled rows whose run_at has come become pending."""
-    return await _move_and_notify(db, "promote_due", limit)
+    return await move_and_notify(db, "promote_due", limit)
 
 
 # --------------------------------------------------------------------------

@@ -65,6 +65,9 @@ from gpuq.protocol import (
     Failed,
     Hello,
     Jobs,
+    Preempt,
+    Preempted,
+    Release,
     Results,
     Welcome,
     encode,
@@ -109,7 +112,7 @@ class Outcome:
     """
 
     job: Job
-    status: str  # "done" or "failed"
+    status: str  # "done", "failed", or "preempted" (it yielded to Run.preempt(): back to pending, not counted)
     result: Any = None
     error: str | None = None
     retryable: bool = False
@@ -158,6 +161,11 @@ class Run:
             self._cancelled = True
             self._agent.cancel(self.job.id)
 
+    def preempt(self, grace_seconds: float = 30.0) -> None:
+        """Ask the job to yield as the server does (``gpuq preempt``); nothing once it ended."""
+        if not self._outcome.done():
+            self._loop.call_soon(self._agent._preempt, self.job.id, grace_seconds)
+
     async def progressed(self, count: int = 1) -> Update:
         """Wait for the handler's ``count``-th progress update, and return it; ``AssertionError``
         when the job ends with fewer."""
@@ -199,9 +207,11 @@ class Run:
         self.checkpoints.append(data)
         self._loop.call_soon_threadsafe(self._changed)
 
-    def _finish(self, reported: Done | Failed) -> None:
+    def _finish(self, reported: Done | Failed | Preempted | None) -> None:  # None: given back unstarted
         if isinstance(reported, Done):
             status, result, error, retryable = "done", reported.result, None, False
+        elif reported is None or isinstance(reported, Preempted):
+            status, result, error, retryable = "preempted", None, None, True
         else:
             status, result, error, retryable = "failed", None, reported.error, reported.retryable
         self._outcome.set_result(Outcome(self.job, status, result, error, retryable, tuple(self.progress),
@@ -296,6 +306,13 @@ class LocalAgent:
         push's task runs first: the event loop runs callbacks in order)."""
         asyncio.get_running_loop().call_soon(self._cancel, job_id)
 
+    def _preempt(self, job_id: int, grace_seconds: float) -> None:
+        """What the agent does on the server's ``preempt`` (``Run.preempt``: the connection's next frame)."""
+        preempt = self.protocol.receive(encode(Preempt((job_id,), grace_seconds)))
+        assert isinstance(preempt, Preempt)
+        self._slots.preempt(preempt.ids, preempt.deadline_seconds)
+        self._send()  # a job that had not started went back
+
     def _cancel(self, job_id: int) -> None:
         cancel = self.protocol.receive(encode(Cancel((job_id,))))
         assert isinstance(cancel, Cancel)
@@ -348,6 +365,8 @@ class LocalAgent:
         server refuses a cancelled job's)."""
         for frame in self.protocol.frames_to_send():
             msg = parse_client(frame, self.max_payload)
+            for job_id in msg.ids if isinstance(msg, Release) else ():  # never started: given back
+                self._runs[job_id]._finish(None)
             if isinstance(msg, DeviceFault):
                 self.faults.append(msg)
             if isinstance(msg, Checkpoint):

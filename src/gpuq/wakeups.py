@@ -7,8 +7,10 @@ trigger of migration 0005 and the statements of ``sql/queries.sql``):
   while a dispatcher waits), ``kind@priority`` (inserted above a lease
   floor), ``kind!`` (moved back to pending, behind any cursor), ``kind``,
   ``*`` (anything, anywhere), ``cancel:ID,...`` (``CANCEL_PREFIX``: stop
-  these leased jobs), or ``quarantine:AGENT`` (``QUARANTINE_PREFIX``: the
-  quarantine of that agent's devices changed, migration 0022);
+  these leased jobs), ``preempt:GRACE:ID,...`` (``PREEMPT_PREFIX``, from
+  ``gpuq.preempt()``: these leased jobs must yield within GRACE seconds), or
+  ``quarantine:AGENT`` (``QUARANTINE_PREFIX``: the quarantine of that agent's
+  devices changed, migration 0022);
 - ``gpuq_outcomes`` and ``gpuq_progress``, to ``gpuq.wait``: comma-joined ids.
 
 The handshake (docs/design.md, "Wake-ups"): a dispatcher arms the wake-up
@@ -26,6 +28,7 @@ NOTIFY_CHANNEL = "gpuq_jobs"  # also in queries.sql (notify) and the trigger of 
 OUTCOMES_CHANNEL = "gpuq_outcomes"  # job ids that ended (done, dead, cancelled): what gpuq.wait listens to
 PROGRESS_CHANNEL = "gpuq_progress"  # job ids whose progress was written: what gpuq.wait(on_progress=) listens to
 CANCEL_PREFIX = "cancel:"  # gpuq.cancel() announces leased jobs it cancelled: 'cancel:41,42'
+PREEMPT_PREFIX = "preempt:"  # gpuq.preempt() asks leased jobs to yield: 'preempt:30:41,42' (30 s of grace)
 QUARANTINE_PREFIX = "quarantine:"  # a device of that agent was quarantined or cleared: 'quarantine:box-1'
 _IDS_PER_NOTIFY = 300  # ids of up to 19 digits stay under NOTIFY's 8000-byte payload
 _MAX_KINDS_PAYLOAD = 7000  # longer lists of kinds go as '*'
@@ -64,6 +67,13 @@ def parse_wakeup(payload: str) -> Wakeup:
 def parse_cancel(payload: str) -> list[int]:
     """The job ids of a ``cancel:ID,...`` notification (anything unreadable is skipped)."""
     return [int(i) for i in payload[len(CANCEL_PREFIX):].split(",") if i.isdigit()]
+
+
+def parse_preempt(payload: str) -> tuple[float, list[int]]:
+    """The grace seconds and job ids of a ``preempt:GRACE:ID,...`` notification (``ValueError`` for a
+    grace that is not a number; unreadable ids are skipped)."""
+    grace, _, ids = payload[len(PREEMPT_PREFIX):].partition(":")
+    return float(grace), [int(i) for i in ids.split(",") if i.isdigit()]
 
 
 def kinds_payload(kinds: Iterable[str], behind: bool = False) -> str:

@@ -201,3 +201,13 @@ def test_failover_json(capsys: pytest.CaptureFixture[str]) -> None:
         for key in ("lost", "id_mismatch", "not_done", "wrong", "serve_exits", "agent_exits", "waiters_failed"):
             assert figures[key] == 0, (variant, key, figures)
     assert code == 0, out
+
+
+def test_preempt_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    got = run_bench(capsys, server_dsn, "preempt", "--steps", "40", "--step-ms", "2", "--checkpoint-every", "10",
+                    "--interruptions", "1", "--interrupt-min", "0.02", "--interrupt-max", "0.05", "--jobs", "3",
+                    "--prefetch", "2", "--urgent", "1", "--grace", "2")
+    assert {"preempt_p99_ms", "returned_after_notice_s", "redone_steps_max", "output_equal", "attempts_used",
+            "urgent_wait_p99_s", "lost"} <= got.keys()
+    assert got["lost"] == 0 and got["output_equal"] is True and got["attempts_used"] == 1
+    assert got["returned_jobs"] == 2 and got["interruptions"] == 1

@@ -73,6 +73,25 @@ async def test_chaos_run_loses_nothing_and_completes_nothing_twice(dsn, cluster)
     assert out["serve_crashes"] == 0, out["crash_logs"]
 
 
+async def test_chaos_with_preemption_loses_nothing_and_completes_nothing_twice(dsn, cluster):
+    cfg = ChaosConfig(jobs=400, seconds=4, agents=2, capacity=4, work_ms=100, kill_min=1.0, kill_max=2.0,
+                      dispatcher_kills=1, pg_restart=False, lease_seconds=4, heartbeat_seconds=1, drain_timeout=60,
+                      seed=7, preempt_every=0.1)
+    try:
+        out = await run_chaos(dsn, cluster, cfg)
+    finally:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute("DROP SCHEMA IF EXISTS gpuq_chaos CASCADE")
+        finally:
+            await conn.close()
+    print(json.dumps(out))
+    assert out["inserted"] == 400 and out["lost"] == 0 and out["live"] == 0 and out["done"] == 400
+    assert out["double_completed"] == 0 and out["wrong_result"] == 0 and out["completed_without_execution"] == 0
+    assert out["preempts_asked"] > 0 and out["preemptions"] > 0  # jobs yielded, went back and ran again
+    assert out["serve_crashes"] == 0, out["crash_logs"]
+
+
 def test_chaos_cli_prints_its_json_last(cluster):
     if cluster is None:
         pytest.skip("the CLI variant starts its own embedded cluster")

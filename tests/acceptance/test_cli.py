@@ -10,7 +10,7 @@ import pytest
 from gpuq.config import ConfigError
 from gpuq.runtime import use_uvloop
 
-SUBCOMMANDS = ["migrate", "serve", "sweep", "agent", "enqueue", "status", "jobs", "show", "cancel", "pause", "resume",
+SUBCOMMANDS = ["migrate", "serve", "sweep", "agent", "enqueue", "status", "jobs", "show", "cancel", "preempt", "pause", "resume",
                "retry", "schedule", "wait", "kind-timeout", "limit", "batch", "tenant", "device", "dev", "bench"]
 
 
@@ -163,6 +163,19 @@ def test_retry_without_ids_or_filters_is_one_clear_line(dsn):
                                   "(kind, error text, time range, state, key)")
     res = gpuq("retry", "--since", "yesterday", env={"DATABASE_URL": dsn})
     assert res.returncode == 2 and "not an ISO 8601 time" in res.stderr
+
+
+def test_a_preemptible_job_from_the_shell_and_preempt_of_one_not_running(dsn):
+    env = {"DATABASE_URL": dsn, "GPUQ_LOG_FORMAT": "json"}
+    res = gpuq("enqueue", "train", "--preemptible", "--grace", "5", "--max-preemptions", "2", env=env)
+    assert res.returncode == 0, res.stderr
+    job_id = int(res.stdout)
+    shown = json.loads(gpuq("show", str(job_id), env=env).stdout)
+    assert (shown["preemptible"], shown["grace_seconds"], shown["max_preemptions"], shown["preemptions"]) == (
+        True, 5, 2, 0)
+    res = gpuq("preempt", str(job_id), env=env)
+    assert res.returncode == 1 and res.stdout.startswith(f"{job_id}: not preempted (not running")
+    assert json.loads(res.stderr.strip().splitlines()[-1])["event"] == "admin.preempt"
 
 
 def test_cancel_and_show_from_the_shell(dsn):

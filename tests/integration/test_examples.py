@@ -43,3 +43,74 @@ async def test_the_gpu_agent_example_runs_one_job_per_device_on_its_warm_model(d
     assert {r["device"] for r in results} == {0, 1}  # the first two started at once, one per device
     assert {r["backend"] for r in results} <= {"torch", "numpy", "python"}
     assert rows[bad]["status"] == "dead" and "inputs" in rows[bad]["last_error"]
+
+
+SPOT = Path(__file__).resolve().parents[2] / "examples" / "spot_watcher.py"
+
+
+class FakeMetadata:
+    """A cloud's spot metadata endpoint on 127.0.0.1: 404 until ``reclaim()``, then AWS's notice."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        owner = self
+        self.reclaimed = False
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                body = b'{"action": "terminate", "time": "2026-12-07T12:00:00Z"}' if owner.reclaimed else b""
+                self.send_response(200 if owner.reclaimed else 404)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/latest/meta-data/spot/instance-action"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def reclaim(self) -> None:
+        self.reclaimed = True
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def load_example(path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+async def test_the_spot_watcher_example_yields_its_jobs_when_the_metadata_gives_notice(dsn, pool):
+    import gpuq
+    from tests.helpers import wait_status
+
+    example, metadata = load_example(SPOT), FakeMetadata()
+    try:
+        async with running_server(dsn, poll_seconds=60) as srv:
+            running = await gpuq.enqueue(pool, "train", {"steps": 10**6, "step_seconds": 0.005}, preemptible=True)
+            ready = await gpuq.enqueue(pool, "train", {"steps": 1}, preemptible=True)  # held ready (prefetch 1)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(example.main, [srv.url, "--token", TOKEN, "--metadata-url", metadata.url,
+                                             "--notice", "8", "--poll-seconds", "0.05"])
+                await wait_status(pool, running, "leased")
+                await wait_status(pool, ready, "leased")
+                metadata.reclaim()
+                with anyio.fail_after(8):  # the agent exits by the notice
+                    await wait_status(pool, running, "pending")
+                # main() returns once the agent has reported and left
+            rows = {r["id"]: r for r in await pool.fetch(
+                "SELECT id, status::text, attempts, preemptions FROM gpuq.jobs")}
+    finally:
+        metadata.close()
+    assert (rows[running]["status"], rows[running]["attempts"], rows[running]["preemptions"]) == ("pending", 0, 1)
+    assert (rows[ready]["status"], rows[ready]["attempts"], rows[ready]["preemptions"]) == ("pending", 0, 0)

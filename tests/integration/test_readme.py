@@ -88,6 +88,34 @@ async def test_the_long_jobs_example_cancels_a_job_and_shows_it(pool):
     assert namespace["train"](job) == {"stopped_at": 0}
 
 
+async def test_the_preemption_example_yields_at_a_step_and_resumes_without_counting_the_attempt(dsn, pool):
+    import threading
+
+    from gpuq import preempt
+
+    [example] = [b for b in blocks("python") if "gpuq.preempt(" in b]
+    saved: list[int] = []
+    stepping = threading.Event()
+
+    def train_step(job, step):  # a step takes until the job is asked to yield (the first run)
+        stepping.set()
+        while not job.preempted and not saved:
+            threading.Event().wait(0.002)
+
+    namespace = {"pool": pool, "train_step": train_step, "save_checkpoint": lambda job, step: saved.append(step)}
+    await run_python(example, namespace)
+    job_id = namespace["job_id"]
+    assert namespace["asked"] == {}  # pending: nothing to ask
+    async with running_server(dsn, poll_seconds=60) as srv:
+        await srv.agent(["train"], 1, namespace["train"])
+        with anyio.fail_after(10):
+            await anyio.to_thread.run_sync(stepping.wait)
+        assert await preempt(pool, job_id) == {job_id: 60.0}
+        await wait_status(pool, job_id, "done")
+    row = await pool.fetchrow("SELECT attempts, preemptions, result FROM gpuq.jobs WHERE id = $1", job_id)
+    assert (row["attempts"], row["preemptions"], row["result"]) == (1, 1, {"steps": 600}) and saved == [1]
+
+
 async def test_the_checkpoint_example_resumes_a_retried_job_from_its_last_checkpoint(dsn, pool):
     [example] = [b for b in blocks("python") if "job.checkpoint(" in b]
     steps_run: list[int] = []

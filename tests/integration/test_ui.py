@@ -554,3 +554,37 @@ async def test_an_admin_sets_and_removes_a_tenants_weight_with_the_clis_checks(d
             assert await admin_api.tenant_weights(pool) == {}
         assert [(e["action"], e["tenant"]) for e in logged if e["event"] == "ui.action"] == [
             ("set_tenant", "acme"), ("set_tenant", "acme"), ("remove_tenant", "acme")]
+
+
+async def test_an_admin_preempts_a_running_job_from_its_page(dsn, pool):
+    import asyncio
+
+    from gpuq import enqueue
+    from gpuq.agent import JobPreempted, on_preempt
+    from tests.helpers import wait_status
+
+    runs: list[int] = []
+
+    async def handle(job):
+        runs.append(job.id)
+        if len(runs) > 1:
+            return "resumed"
+        asked = asyncio.Event()
+        on_preempt(job, asked.set)
+        await asked.wait()
+        raise JobPreempted
+
+    async with running_server(dsn, **UI) as srv:
+        await srv.agent(["train"], 1, handle, "box-1")
+        job_id = await enqueue(pool, "train", {}, preemptible=True, grace_seconds=60)
+        await wait_status(pool, job_id, "leased")
+        read_only, admin = await _admin_headers(srv.port, READ), await _admin_headers(srv.port)
+        _, _, body = await request(srv.port, "GET", f"/ui/jobs/{job_id}", admin)
+        assert 'id="preempt"' in body and "60 s grace" in body
+        _, _, body = await request(srv.port, "GET", f"/ui/jobs/{job_id}", read_only)
+        assert 'id="preempt"' not in body
+        assert (await request(srv.port, "POST", f"/ui/jobs/preempt?id={job_id}", read_only))[0] == 403
+        assert (await request(srv.port, "POST", f"/ui/jobs/preempt?id={job_id}", admin))[0] == 204
+        await wait_status(pool, job_id, "done")
+        assert runs == [job_id, job_id]
+        assert (await request(srv.port, "POST", f"/ui/jobs/preempt?id={job_id}", admin))[0] == 409

@@ -32,6 +32,17 @@ handler started never runs it. A job with a timeout
 (``job.timeout`` seconds) is stopped the same way when it passes, and fails
 with ``timeout`` (retried while attempts remain).
 
+Preemption (protocol 9): a job enqueued ``preemptible`` may be asked to yield
+(``gpuq preempt``, a higher-priority job, a spot interruption): ``job.preempted``
+turns true; the handler may save a checkpoint and stop, by raising (any
+exception, or ``JobPreempted``) before ``job.preempt_deadline``
+(``time.monotonic()``); ``on_preempt(job, callback)`` calls back at the
+preempt (an async handler may set an ``asyncio.Event`` there). At the deadline an async handler is cancelled (a
+``run_process`` child got SIGTERM at the preempt, and gets SIGKILL then); a
+sync one cannot be, and is waited for. The job goes back to pending without
+counting the attempt; a handler that returns a result finished, and its
+result is kept.
+
 Progress: ``job.progress(0.4, "epoch 2/5", {"loss": 0.31})`` from any handler,
 sync or async, as often as it likes; the agent sends the latest of each job at
 most twice a second and the server stores it at most once a second
@@ -70,12 +81,14 @@ from gpuq.agent.handlers import (
            Handler,
            HandlerError,
            Job,
+           JobPreempted,
            PermanentError,
            load_handler,
 )
 from gpuq.agent.process import run_process
+from gpuq.protocol import on_preempt
 
 __all__ = ["DEFAULT_MAX_BATCH", "DEFAULT_PREFETCH", "PROGRESS_SEND_SECONDS", "Agent", "AuthError", "BatchHandler",
            "DeviceError",
-           "Handler", "HandlerError", "Job",
-           "PermanentError", "load_handler", "run_process"]
+           "Handler", "HandlerError", "Job", "JobPreempted",
+           "PermanentError", "load_handler", "on_preempt", "run_process"]

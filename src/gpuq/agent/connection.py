@@ -24,7 +24,7 @@ from gpuq.agent.handlers import Handler
 from gpuq.agent.slots import Slots
 from gpuq.agent.thread_slots import ThreadSlots
 from gpuq.loops import LoopBackoff, Outage, run_every
-from gpuq.protocol import Ack, Cancel, Error, Hello, Jobs, ServerDrain, Welcome
+from gpuq.protocol import Ack, Cancel, Error, Hello, Jobs, Preempt, ServerDrain, Welcome
 from gpuq.protocol.agent_side import AgentProtocol, ThreadSafeAgentProtocol
 from gpuq.protocol.checkpoints import DEFAULT_CHECKPOINT_SECONDS
 from gpuq.protocol.receipts import Receipt
@@ -39,6 +39,13 @@ DEFAULT_PREFETCH = 1
 # Jobs one batch handler call takes at most (hello.batch), with a batch handler: the server sends
 # smaller batches when fewer jobs wait (its batching policy decides).
 DEFAULT_MAX_BATCH = 64
+# Of an interruption's notice (or a SIGTERM's drain deadline), what is kept for reporting: preemptible
+# jobs yield within the rest (a quarter of a short notice).
+INTERRUPTION_MARGIN_SECONDS = 5.0
+
+
+def interruption_margin(notice_seconds: float) -> float:
+    return min(INTERRUPTION_MARGIN_SECONDS, notice_seconds / 4)
 
 
 class AuthError(RuntimeError):
@@ -67,6 +74,7 @@ class Agent:
         drain_seconds: float | None = None,
         batch_handler: BatchHandler | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
+        interruption_notice: float | None = None,
         checkpoint_seconds: float = DEFAULT_CHECKPOINT_SECONDS,
     ):
         self.url, self.token = url, token
@@ -86,6 +94,7 @@ class Agent:
         self._reconnect_now = _Nudge()  # stop() cuts the current reconnect wait short, not the later ones
         # On SIGTERM (run_until_signal), stop with this deadline; None: wait for every report.
         self.drain_seconds = drain_seconds
+        self.interruption_notice = interruption_notice  # on SIGTERM, interrupt() with it (None: a stop)
         self._deadline: float | None = None  # monotonic: run() returns by then (stop(deadline_seconds))
         self._running: anyio.CancelScope | None = None  # run()'s, while it runs
         self._deadline_timer: asyncio.TimerHandle | None = None
@@ -145,6 +154,30 @@ class Agent:
             self._deadline = at if self._deadline is None else min(self._deadline, at)
             self._arm_deadline()
         self._stop_event.set()
+
+    def interrupt(self, notice_seconds: float) -> None:
+        """This machine goes away in ``notice_seconds`` (a spot interruption; call it on the agent's loop):
+        drain, give back the ready jobs, have running preemptible jobs yield within the notice less
+        ``interruption_margin``, and return from ``run()`` by the notice."""
+        within = max(0.0, notice_seconds - interruption_margin(notice_seconds))
+        log.info("agent.interrupted", agent=self.name, notice_seconds=notice_seconds, yield_within=within,
+                 running=len(self.protocol.running))
+        self.stop(notice_seconds)
+        self._yield_running(within)
+
+    def _terminated(self) -> None:
+        """SIGTERM: ``interrupt()``, or a stop in which preemptible jobs yield (by their grace, or the drain's)."""
+        if self.interruption_notice is not None:
+            self.interrupt(self.interruption_notice)
+            return
+        self.stop(self.drain_seconds)
+        drain = self.drain_seconds
+        self._yield_running(None if drain is None else max(0.0, drain - interruption_margin(drain)))
+
+    def _yield_running(self, within: float | None) -> None:
+        if ids := self.protocol.yield_running(within):
+            self._slots.preempt(ids, within or 0.0)
+        self._ready.set()
 
     async def run(self) -> None:
         """Connect, run jobs, reconnect with backoff; return once stopped and everything is acked
@@ -232,6 +265,9 @@ class Agent:
                 log.warning("agent.results_rejected", agent=self.name, job_ids=list(msg.rejected))
             elif isinstance(msg, Cancel):
                 self._cancel(msg.ids)
+            elif isinstance(msg, Preempt):  # the protocol marked them; jobs held ready went back (release)
+                self._slots.preempt(msg.ids, msg.deadline_seconds)
+                self._ready.set()
             elif isinstance(msg, ServerDrain):
                 log.info("agent.server_draining", agent=self.name, deadline_seconds=msg.deadline_seconds)
             elif isinstance(msg, Error):
@@ -309,9 +345,9 @@ class Agent:
             self._ready.set()
 
     async def run_until_signal(self) -> None:
-        """``run()``, with SIGTERM/SIGINT turned into a graceful ``stop()``."""
+        """``run()``, with SIGTERM/SIGINT turned into a graceful stop (``_terminated``)."""
         async with anyio.create_task_group() as tg:
-            tg.start_soon(stop_on_signal, lambda: self.stop(self.drain_seconds))
+            tg.start_soon(stop_on_signal, self._terminated)
             await self.run()
             tg.cancel_scope.cancel()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import traceback
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from typing import Any
 
 from gpuq import protocol
@@ -28,6 +29,14 @@ class PermanentError(Exception):
     """Raise from a handler for a failure that retrying cannot fix: the job goes dead."""
 
 
+class JobPreempted(Exception):
+    """Raise from a handler that stops because ``job.preempted`` is set (after saving a checkpoint):
+    the job goes back to pending, its attempt not counted. Any exception raised once the job is
+    preempted counts the same; a handler that returns a result finished, and its result is kept."""
+
+
+# The job a handler runs in this task (async handlers): ``run_process`` stops its child when it is preempted.
+current_job: ContextVar[Job | None] = ContextVar("gpuq_current_job", default=None)
 class DeviceError(Exception):
     """Raise from a handler when the job's GPU is bad, not the job: the attempt fails (retried, on
     another device when one fits) and the agent reports the device to the server (protocol 9),

@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from gpuq import logs
+from gpuq.agent.handlers import current_job
+from gpuq.protocol import on_preempt
 
 if TYPE_CHECKING:
     from gpuq.protocol import JobMessage
@@ -23,7 +25,6 @@ log = logs.get("agent")
 # checkpoints to, one JSON value per line.
 RESUME_FROM_ENV = "GPUQ_RESUME_FROM"
 CHECKPOINT_FD_ENV = "GPUQ_CHECKPOINT_FD"
-
 
 async def run_process(*argv: str, grace_seconds: float = 10.0, devices: Iterable[int] | None = None,
                       job: JobMessage | None = None, **kwargs: Any) -> subprocess.CompletedProcess[bytes]:
@@ -40,7 +41,10 @@ async def run_process(*argv: str, grace_seconds: float = 10.0, devices: Iterable
     checkpoint is logged and skipped. In Python: ``resume_from()`` and ``checkpoint(data)``.
     If the handler is cancelled (``gpuq cancel``, or the agent stopping), the
     process gets SIGTERM, then SIGKILL if it is still there after
-    ``grace_seconds``, before the cancellation goes on.
+    ``grace_seconds``, before the cancellation goes on. If the job is preempted
+    (protocol 9), the process gets SIGTERM at once (it may checkpoint and exit;
+    the handler then raises, or returns, as it likes) and SIGKILL at the
+    preempt's deadline, if still there.
     """
     env = dict(kwargs.get("env") or os.environ)
     if devices is not None:
@@ -65,6 +69,9 @@ async def run_process(*argv: str, grace_seconds: float = 10.0, devices: Iterable
         if write_fd is not None:
             os.close(write_fd)  # the child's copy stays open until it exits: then the reader ends
     relay = None if job is None or read_fd is None else asyncio.create_task(_relay_checkpoints(read_fd, job))
+    yielding = job or current_job.get()  # preempted: SIGTERM now, SIGKILL at the deadline
+    if yielding is not None:
+        on_preempt(yielding, lambda: _signal(proc, proc.terminate))
     try:
         out, err = await proc.communicate()
         if relay is not None:
@@ -72,9 +79,22 @@ async def run_process(*argv: str, grace_seconds: float = 10.0, devices: Iterable
     except asyncio.CancelledError:
         if relay is not None:
             relay.cancel()
-        await _stop_process(proc, grace_seconds)
+        if yielding is not None and yielding.preempted:  # its deadline: the SIGTERM was at the preempt
+            _signal(proc, proc.kill)
+            await asyncio.shield(proc.wait())
+        else:
+            await _stop_process(proc, grace_seconds)
         raise
     return subprocess.CompletedProcess(list(argv), proc.returncode or 0, out, err)
+
+
+def _signal(proc: asyncio.subprocess.Process, send: Any) -> None:
+    """``send`` (``proc.terminate``, ``proc.kill``) unless the process has ended."""
+    if proc.returncode is None:
+        try:
+            send()
+        except ProcessLookupError:
+            pass
 
 
 async def _relay_checkpoints(read_fd: int, job: JobMessage) -> None:

@@ -79,6 +79,11 @@ class Slots(abc.ABC):
         """Run ``job``, then at once each ready job the protocol gives this slot."""
 
     @abc.abstractmethod
+    def preempt(self, ids: tuple[int, ...], deadline_seconds: float) -> None:
+        """The server asked these running jobs to yield (the protocol marked them ``preempted``):
+        stop their handlers at the deadline where a handler can be stopped."""
+
+    @abc.abstractmethod
     def cancel(self, ids: tuple[int, ...]) -> None:
         """The server cancelled these running jobs (the protocol marked them ``cancelled``):
         interrupt their handlers where a handler can be interrupted."""

@@ -1,5 +1,6 @@
 """A sync handler's slots: each slot is one worker thread that runs its jobs one after another;
-a timeout or a cancel sets ``job.cancelled`` (a thread cannot be interrupted). A batch runs in one
+a timeout or a cancel sets ``job.cancelled``, a preempt ``job.preempted`` (a thread cannot be
+interrupted: a handler that raises once preempted yielded, one that returns finished). A batch runs in one
 batch handler call; its timeout (its items' smallest) sets every item's ``cancelled``."""
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ import anyio
 from gpuq import protocol
 from gpuq.agent import spans
 from gpuq.agent.batches import batch_jobs, record_raised, record_returned
-from gpuq.agent.handlers import TIMEOUT_ERROR, Job, PermanentError, report_fault, summary
+from gpuq.agent.handlers import (
+    TIMEOUT_ERROR,
+    Job,
+    JobPreempted,
+    PermanentError,
+    report_fault,
+    summary,
+)
 from gpuq.agent.slots import Slots
 from gpuq.protocol.batches import Unit
 
@@ -42,6 +50,9 @@ class ThreadSlots(Slots):
 
     def cancel(self, ids: tuple[int, ...]) -> None:
         """Nothing to interrupt: a thread cannot be; its handler finds ``job.cancelled`` true."""
+
+    def preempt(self, ids: tuple[int, ...], deadline_seconds: float) -> None:
+        """Nothing to interrupt: its handler finds ``job.preempted`` true and should raise by the deadline."""
 
     def _start_slots(self, tg: TaskGroup, jobs: list[Unit]) -> None:
         self.event_loop().call_soon_threadsafe(tg.start_soon, self.run_slots, jobs)
@@ -91,11 +102,12 @@ class ThreadSlots(Slots):
         assert handler is not None  # else the job is ``batched``
         try:
             result = handler(job)
-        except PermanentError as exc:
-            self.protocol.job_failed(job, summary(exc), retryable=False)
-        except Exception as exc:  # the handler's failure is the job's, not ours
-            report_fault(self.protocol, job, exc)
-            self.protocol.job_failed(job, summary(exc), retryable=True)
+        except Exception as exc:
+            if job.preempted or isinstance(exc, JobPreempted):  # it yielded
+                self.protocol.job_preempted(job)
+            else:  # the handler's failure is the job's, not ours
+                report_fault(self.protocol, job, exc)
+                self.protocol.job_failed(job, summary(exc), retryable=not isinstance(exc, PermanentError))
         else:
             if expired:
                 self.protocol.job_failed(job, TIMEOUT_ERROR, retryable=True)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 # Bench name -> module; the order of ``gpuq bench --help``.
 MODULES = ("lease_history", "raw", "throughput", "chaos", "soak", "fuzz", "latency", "agents", "snapshot", "producers",
-           "control", "placement", "busy", "failover", "batching", "fairness")
+           "control", "placement", "busy", "failover", "batching", "fairness", "preempt")
 
 
 def register(parser: argparse.ArgumentParser) -> None:

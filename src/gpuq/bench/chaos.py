@@ -10,7 +10,11 @@ policy of N items and every other agent takes batches
 the kind. Meanwhile: SIGKILL a random agent every
 1-2 s and restart it, SIGKILL each dispatcher once (``--dispatcher-kills``,
 default 2) and restart it on the same port, and restart PostgreSQL once with
-``pg_ctl restart -m immediate`` (embedded cluster only). Then drain.
+``pg_ctl restart -m immediate`` (embedded cluster only). With ``--preempt S``
+the jobs are preemptible (1 s of grace) and every ~S seconds a few running
+jobs, picked at random, are asked to yield (``gpuq.preempt``); the handler
+(``record_yielding``) stops at once when asked, and the job runs again. Then
+drain.
 
 The verdict comes from the database, not from the processes' word (the SQL
 witness is ``witness_*`` in bench/queries.sql):
@@ -94,6 +98,7 @@ class ChaosConfig:
     seed: int | None = None
     keep_logs: bool = False
     batch: int = 0  # the kind's batching policy (items); every other agent takes batches (0: none)
+    preempt_every: float = 0.0  # ask a few running jobs to yield about this often (0: no preemption)
 
 
 @dataclass(eq=False)
@@ -115,6 +120,7 @@ class Counters:
     agent_kills: int = 0
     dispatcher_kills: int = 0
     pg_restarts: int = 0
+    preempts_asked: int = 0  # jobs gpuq.preempt asked to yield
     serve_crashes: int = 0  # a serve exited without being killed: a bug
     agent_crashes: int = 0
     crash_logs: list[str] = field(default_factory=list)
@@ -144,8 +150,9 @@ class ChaosRun:
             env = dict(UNLIMITED_ENV, GPUQ_SWEEP_SECONDS="1")
         else:
             batches: dict[str, Any] = {"batch_handler": "gpuq.bench.handlers:record_batch", "max_batch": self.cfg.batch}
-            argv = agent_argv(f"ws://127.0.0.1:{m.serve.port}/agent", f"chaos-{m.name}",
-                              "gpuq.bench.handlers:record", self.cfg.capacity, kinds=KIND,
+            handler = "gpuq.bench.handlers:record_yielding" if self.cfg.preempt_every else "gpuq.bench.handlers:record"
+            argv = agent_argv(f"ws://127.0.0.1:{m.serve.port}/agent", f"chaos-{m.name}", handler,
+                              self.cfg.capacity, kinds=KIND,
                               **(batches if self.cfg.batch and self.agents.index(m) % 2 else {}))
             env = {EXEC_DIR_ENV: str(self.execdir), WORK_MS_ENV: str(self.cfg.work_ms)}
         m.proc = spawn(f"{m.name}.{m.incarnation}", argv, self.logdir, env)
@@ -182,7 +189,7 @@ class ChaosRun:
                     continue
                 if n > 0:
                     await conn.execute(common.queries["insert_sequence"], KIND, self.c.inserted + 1,
-                                       self.cfg.max_attempts, n, timeout=10)
+                                       self.cfg.max_attempts, n, self.cfg.preempt_every > 0, timeout=10)
                     self.c.inserted += n
             except DB_ERRORS as exc:
                 self.c.insert_errors += 1
@@ -202,6 +209,19 @@ class ChaosRun:
             await anyio.sleep(self.rng.uniform(self.cfg.kill_min, self.cfg.kill_max))
             await self._restart(self.rng.choice([a for a in self.agents if not a.busy] or self.agents), True)
             self.c.agent_kills += 1
+
+    async def _preempter(self) -> None:
+        """Every ~``preempt_every`` seconds ask up to 3 running jobs to yield (through the outages)."""
+        while True:
+            await anyio.sleep(self.rng.uniform(0.5, 1.5) * self.cfg.preempt_every)
+            try:
+                conn = await asyncpg.connect(self.dsn, timeout=5)
+                try:
+                    self.c.preempts_asked += len(await conn.fetch(common.queries["preempt_some"], 3, timeout=5))
+                finally:
+                    await conn.close()
+            except DB_ERRORS:
+                pass  # PostgreSQL restarting: the next one
 
     async def _big_events(self) -> None:
         """Dispatcher kills and the PostgreSQL restart, spread over the production window."""
@@ -297,6 +317,8 @@ class ChaosRun:
                 watch.start_soon(self._watchdog)
                 async with anyio.create_task_group() as chaos:
                     chaos.start_soon(self._agent_killer)
+                    if self.cfg.preempt_every:
+                        chaos.start_soon(self._preempter)
                     async with anyio.create_task_group() as window:  # both end: the killer stops
                         window.start_soon(self._producer)
                         window.start_soon(self._big_events)
@@ -309,6 +331,7 @@ class ChaosRun:
             out = await self._verdict(live)
             c = self.c
             out.update(agent_kills=c.agent_kills, dispatcher_kills=c.dispatcher_kills, pg_restarts=c.pg_restarts,
+                       preempts_asked=c.preempts_asked,
                        insert_errors=c.insert_errors, serve_crashes=c.serve_crashes,
                        agent_crashes=c.agent_crashes, crash_logs=c.crash_logs, serve_error_lines=serve_errors,
                        seconds=round(time.monotonic() - self.t0, 1), requested=self.cfg.jobs,
@@ -354,14 +377,15 @@ async def run_chaos(dsn: str, cluster: Cluster | None, cfg: ChaosConfig) -> dict
 SUMMARY = ("done", "done_in_batches", "lost", "dead", "double_completed", "wrong_result", "duplicate_executions", "agent_kills",
            "dispatcher_kills", "pg_restarts", "seconds", "live", "executions", "requested",
            "completed_without_execution", "pg_restart_skipped", "serve_crashes", "agent_crashes",
-           "serve_error_lines", "max_attempts_seen", "dead_reasons")
+           "serve_error_lines", "max_attempts_seen", "dead_reasons", "preempts_asked", "preemptions")
 
 
 def report(out: dict[str, Any]) -> None:
     common.print_pairs("gpuq chaos run", [(k.replace("_", " "), out[k]) for k in (
         "inserted", "done", "done_in_batches", "dead", "lost", "live", "double_completed", "wrong_result",
         "completed_without_execution", "executions", "duplicate_executions", "max_attempts_seen", "agent_kills",
-        "dispatcher_kills", "pg_restarts", "insert_errors", "serve_crashes", "agent_crashes",
+        "dispatcher_kills", "pg_restarts", "preempts_asked", "preemptions", "insert_errors", "serve_crashes",
+        "agent_crashes",
         "serve_error_lines", "seconds")] + [("crash log", p) for p in out["crash_logs"]])
     if out["pg_restart_skipped"]:
         print("(PostgreSQL restart skipped: it needs the embedded cluster, not --database-url)")
@@ -384,12 +408,16 @@ def register(sub: Any) -> None:
         p.add_argument("--keep-logs", action="store_true", help="keep process logs even on success")
         p.add_argument("--batch", type=int, default=0,
                        help="batch the kind, N items a batch, on every other agent (default 0: no batching)")
+        p.add_argument("--preempt", type=float, default=0.0, metavar="SECONDS",
+                       help="preemptible jobs, a few running ones asked to yield about every SECONDS "
+                            "(default 0: no preemption)")
 
     async def body(t: common.Target, a: argparse.Namespace) -> dict[str, Any]:
         cfg = ChaosConfig(jobs=a.jobs, seconds=a.seconds, agents=a.agents, capacity=a.capacity,
                           work_ms=a.work_ms, dispatcher_kills=a.dispatcher_kills, pg_restart=not a.no_pg_restart,
                           lease_seconds=a.lease_seconds, heartbeat_seconds=min(1.0, a.lease_seconds / 3),
-                          drain_timeout=a.drain_timeout, seed=a.seed, keep_logs=a.keep_logs, batch=a.batch)
+                          drain_timeout=a.drain_timeout, seed=a.seed, keep_logs=a.keep_logs, batch=a.batch,
+                          preempt_every=a.preempt)
         return await run_chaos(t.dsn, t.cluster, cfg)
 
     common.declare(sub, "chaos", "kill agents, dispatchers and PostgreSQL mid-run: nothing lost, nothing completed "

@@ -12,7 +12,7 @@ from typing import Any
 
 import anyio
 
-from gpuq.agent import Job
+from gpuq.agent import Job, JobPreempted, on_preempt
 
 EXEC_DIR_ENV = "GPUQ_CHAOS_DIR"  # where record() writes, one file per agent process
 WORK_MS_ENV = "GPUQ_CHAOS_WORK_MS"  # mean simulated work per job of record()
@@ -69,6 +69,20 @@ async def record(job: Job) -> dict[str, Any]:
     work_s = float(os.environ.get(WORK_MS_ENV, "0") or 0) / 1000.0
     if work_s > 0:
         await anyio.sleep(random.uniform(0, 2 * work_s))
+    return {"token": job.lease_token}
+
+
+async def record_yielding(job: Job) -> dict[str, Any]:
+    """Chaos with preemption: ``record``, and a job asked to yield during its work stops at once
+    (``JobPreempted``: it goes back to pending and runs again, maybe elsewhere)."""
+    os.write(_exec_log(), f"{job.id} {job.lease_token} {os.getpid()}\n".encode())
+    work_s = float(os.environ.get(WORK_MS_ENV, "0") or 0) / 1000.0
+    asked = anyio.Event()
+    on_preempt(job, asked.set)
+    with anyio.move_on_after(random.uniform(0, 2 * work_s)):
+        await asked.wait()
+    if asked.is_set():
+        raise JobPreempted("asked to yield")
     return {"token": job.lease_token}
 
 

@@ -32,9 +32,13 @@ SELECT 'train', jsonb_build_object('i', g), 'done', 1, now(), now(),
 FROM generate_series($1::bigint, $2::bigint) AS g;
 
 -- name: insert_sequence
--- Jobs of kind $1 numbered $2.. ($4 of them) with $3 attempts each: the chaos producer.
-INSERT INTO gpuq.jobs (kind, payload, max_attempts)
-SELECT $1, jsonb_build_object('seq', g), $3 FROM generate_series($2::bigint, $2::bigint + $4 - 1) AS g;
+-- Jobs of kind $1 numbered $2.. ($4 of them) with $3 attempts each, preemptible if $5 (1 s of grace, preempted up to 1000 times): the chaos producer.
+INSERT INTO gpuq.jobs (kind, payload, max_attempts, preemptible, grace_seconds, max_preemptions)
+SELECT $1, jsonb_build_object('seq', g), $3, $5, 1, 1000 FROM generate_series($2::bigint, $2::bigint + $4 - 1) AS g;
+
+-- name: preempt_some
+-- Chaos with preemption: ask up to $1 running jobs, picked at random, to yield (gpuq.preempt); the ids asked.
+SELECT id FROM gpuq.preempt(ARRAY(SELECT id FROM gpuq.jobs WHERE status = 'leased' ORDER BY random() LIMIT $1));
 
 -- name: count_all
 -- Every job (a bench's table holds only its own).
@@ -179,12 +183,13 @@ SELECT
        (SELECT 1 FROM gpuq_chaos.completions c WHERE c.job_id = j.id)) AS wrong_result;
 
 -- name: totals
--- Jobs inserted, done, dead, the most attempts any job took, and the done jobs whose last attempt ran in a batch of more than one.
+-- Jobs inserted, done, dead, the most attempts any job took, the done jobs whose last attempt ran in a batch of more than one, and the preemptions counted.
 SELECT count(*) AS inserted,
        count(*) FILTER (WHERE status = 'done') AS done,
        count(*) FILTER (WHERE status = 'dead') AS dead,
        coalesce(max(attempts), 0) AS max_attempts_seen,
-       count(*) FILTER (WHERE status = 'done' AND batch_size > 1) AS done_in_batches
+       count(*) FILTER (WHERE status = 'done' AND batch_size > 1) AS done_in_batches,
+       coalesce(sum(preemptions), 0)::int8 AS preemptions
 FROM gpuq.jobs;
 
 -- name: chaos_winners

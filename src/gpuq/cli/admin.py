@@ -1,4 +1,4 @@
-"""The admin commands on jobs and kinds: ``cancel``, ``kind-timeout``, ``limit``, ``pause``,
+"""The admin commands on jobs and kinds: ``cancel``, ``preempt``, ``kind-timeout``, ``limit``, ``pause``,
 ``resume``, ``retry``. Each change is an admin event on stderr naming who made it."""
 
 from __future__ import annotations
@@ -22,6 +22,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     c.add_argument("ids", metavar="ID", type=int, nargs="+")
     config.add_flags(c, "cancel")
     c.set_defaults(func=cmd_cancel)
+
+    pe = sub.add_parser("preempt", help="ask running preemptible jobs to yield: they go back to pending, the "
+                                        "attempt not counted, once their agent stops them (within their grace time)")
+    pe.add_argument("ids", metavar="ID", type=int, nargs="+")
+    config.add_flags(pe, "preempt")
+    pe.set_defaults(func=cmd_preempt)
 
     kt = sub.add_parser("kind-timeout", help="the default execution timeout of a kind's jobs (those without "
                                              "their own); no arguments: list them")
@@ -74,6 +80,20 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         was = cancelled.get(job_id)
         print(f"{job_id}: cancelled (was {was})" if was else f"{job_id}: not live (finished, or no such job)")
     return 0 if len(cancelled) == len(set(args.ids)) else EXIT_FAILURE
+
+
+def cmd_preempt(args: argparse.Namespace) -> int:
+    """Preempt each id; one line per id. Exit 1 if any was not asked (not running, not preemptible,
+    no preemptions left, or asked within its grace time)."""
+    from gpuq import admin
+
+    asked = on_db(args, lambda conn: admin.preempt(conn, *args.ids))
+    admin_event("preempt", ids=args.ids, preempted=sorted(asked))
+    for job_id in args.ids:
+        grace = asked.get(job_id)
+        print(f"{job_id}: asked to yield within {grace:g} s" if grace is not None else
+              f"{job_id}: not preempted (not running, not preemptible, no preemptions left, or asked already)")
+    return 0 if len(asked) == len(set(args.ids)) else EXIT_FAILURE
 
 
 def _change_then_list(args: argparse.Namespace, change: Callable[[Any], Awaitable[object]] | None,

@@ -47,6 +47,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
                       labels=config.get("labels", flag=args.labels), models=config.get("models", flag=args.models),
                       prefetch=config.get("prefetch", flag=args.prefetch),
                       drain_seconds=config.get("agent_drain_seconds", flag=args.agent_drain_seconds),
+                      interruption_notice=config.get("interruption_notice", flag=args.interruption_notice),
                       batch_handler=batch_handler,
                       max_batch=config.get("agent_max_batch", flag=args.agent_max_batch),
                       checkpoint_seconds=config.get("checkpoint_seconds", flag=args.checkpoint_seconds))

@@ -10,6 +10,7 @@ from gpuq import config
 from gpuq.cli.database import on_db
 from gpuq.cli.errors import CLIError
 from gpuq.cli.values import json_arg
+from gpuq.jobs import DEFAULT_GRACE_SECONDS, DEFAULT_MAX_PREEMPTIONS
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -33,9 +34,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     e.add_argument("--batch-key", default=None, help="only jobs of one batch key share a batch (a length bucket, ...)")
     e.add_argument("--tenant", default=None,
                    help="whose GPU-seconds it charges under fair share (default: the default tenant; see gpuq tenant)")
+    e.add_argument("--preemptible", action="store_true",
+                   help="it may be asked to yield (gpuq preempt, a higher-priority job, a spot interruption): it goes "
+                        "back to pending without counting the attempt")
+    e.add_argument("--grace", type=float, default=DEFAULT_GRACE_SECONDS, metavar="SECONDS",
+                   help=f"a preemptible job's time to stop once asked (default {DEFAULT_GRACE_SECONDS:g})")
+    e.add_argument("--max-preemptions", type=int, default=DEFAULT_MAX_PREEMPTIONS,
+                   help=f"preemptions before it runs to its end (default {DEFAULT_MAX_PREEMPTIONS})")
     e.add_argument("--stdin", action="store_true",
                    help='bulk: one JSON object per line, {"kind": ..., "payload": ..., "priority": ...}; '
-                        "the flags' names (gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant) too")
+                        "the flags' names (gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant, "
+                        "preemptible, grace, max_preemptions) too")
     e.add_argument("--batch", type=int, default=1000, help="rows per INSERT with --stdin (default 1000)")
     config.add_flags(e, "enqueue")
     e.set_defaults(func=cmd_enqueue)
@@ -58,7 +67,8 @@ def cmd_enqueue(args: argparse.Namespace) -> int:
             "timeout": args.timeout, "gpus": args.gpus, "gpu_memory_mb": args.gpu_memory,
             "labels": config.parse_list(args.labels, "--labels"), "model": args.model,
             "concurrency_key": args.concurrency_key, "cost": args.cost, "batch_key": args.batch_key,
-            "tenant": args.tenant})
+            "tenant": args.tenant, "preemptible": args.preemptible, "grace": args.grace,
+            "max_preemptions": args.max_preemptions})
     except ValueError as exc:
         raise CLIError(str(exc)) from None
 

@@ -4,7 +4,9 @@
 outcome queued by then with one ``complete_many`` and one ``fail_many``, then
 acks each agent. While fair share is on (``charging``) their ``_charged``
 variants also charge each attempt's GPU-seconds to its tenant, in the same
-statement; off, nothing more is written. Jobs given back unstarted (``release_unstarted``) and leases
+statement; off, nothing more is written. Jobs that yielded to a preempt
+(``Preempted``, protocol 9) go back to pending, fenced the same way, in the
+same flush (``preempted_many``). Jobs given back unstarted (``release_unstarted``) and leases
 no agent will run (``release``) go back to pending in the same flush. Checkpoints
 (protocol 9) are written first in each flush, fenced like outcomes, and answered
 (``checkpointed``) after their commit: a job's checkpoint, which its agent sends
@@ -22,12 +24,12 @@ from typing import Any, Protocol
 import anyio
 import asyncpg
 
-from gpuq import logs, metrics, quarantine, queue
+from gpuq import logs, metrics, preemptions, quarantine, queue
 from gpuq.dispatcher.spans import ServerSpans
 from gpuq.dispatcher.writer import Writer
 from gpuq.jobs import FailOutcome, JobBackoff
 from gpuq.latency import JobLatency
-from gpuq.protocol import CheckpointItem, Done, Failed
+from gpuq.protocol import CheckpointItem, Done, Failed, Outcome, Preempted
 from gpuq.protocol.fields import to_json
 
 log = logs.get("completer")
@@ -67,6 +69,7 @@ class Completer(Writer):
         # Outcomes waiting for the database (add them with submit(), release()).
         self.done: list[tuple[Session, Done, str]] = []
         self.failed: list[tuple[Session, Failed, str]] = []
+        self.preempted: list[tuple[Session, Preempted, str]] = []
         self.orphans: list[int] = []  # leased for an agent that left before the push
         self.unstarted: list[tuple[Session, tuple[tuple[int, str], ...]]] = []  # given back, (id, token)
         self.failed_devices: list[tuple[int, str, tuple[str, ...]]] = []  # (id, token, 'agent:index'...) failed there
@@ -74,7 +77,7 @@ class Completer(Writer):
         self.checkpoints: list[tuple[Session, CheckpointItem]] = []  # in the order they came
         self._lock = anyio.Lock()
 
-    def submit(self, session: Session, outcomes: Iterable[tuple[Done | Failed, str]],
+    def submit(self, session: Session, outcomes: Iterable[tuple[Outcome, str]],
                ran: dict[int, float] | None = None) -> None:
         """Queue ``(outcome, kind)`` pairs reported by ``session``; acked after the commit. ``ran``:
         the run times the protocol measured (fair share charges them, else the lease's age)."""
@@ -83,8 +86,10 @@ class Completer(Writer):
         for msg, kind in outcomes:
             if isinstance(msg, Done):
                 self.done.append((session, msg, kind))
-            else:
+            elif isinstance(msg, Failed):
                 self.failed.append((session, msg, kind))
+            else:
+                self.preempted.append((session, msg, kind))
         self.wake()
 
     def failed_on(self, agent: str, failed: dict[int, tuple[str, tuple[int, ...]]]) -> None:
@@ -114,7 +119,7 @@ class Completer(Writer):
 
     async def flush(self) -> None:
         async with self._lock:
-            while self.done or self.failed or self.orphans or self.unstarted or self.checkpoints:
+            while self.done or self.failed or self.orphans or self.unstarted or self.preempted or self.checkpoints:
                 try:
                     await self._flush_once()
                 except asyncpg.DataError as exc:
@@ -126,10 +131,11 @@ class Completer(Writer):
 
     def _drop_releases(self, exc: BaseException) -> None:
         """Releases the database refuses are given up (their leases expire instead), not retried forever."""
-        ids = [*self.orphans, *(i for _, jobs in self.unstarted for i, _ in jobs)]
+        ids = [*self.orphans, *(i for _, jobs in self.unstarted for i, _ in jobs), *(m.id for _, m, _ in self.preempted)]
         log.error("jobs.release_refused", job_ids=ids, error=str(exc))
         self.orphans.clear()
         self.unstarted.clear()
+        self.preempted.clear()
 
     async def _flush_singly(self) -> None:
         done, failed = self.done[:1000], self.failed[:1000]
@@ -155,7 +161,7 @@ class Completer(Writer):
         # All taken at once, before any write, and the checkpoints written first: a job's
         # checkpoint came before its outcome or release, so it is written while the lease holds.
         checkpoints, self.checkpoints = self.checkpoints, []
-        given = self.unstarted[:100]
+        given, yielded = self.unstarted[:100], self.preempted[:1000]
         done, failed, orphans = self.done[:1000], self.failed[:1000], self.orphans[:1000]
         if checkpoints:
             try:
@@ -166,6 +172,9 @@ class Completer(Writer):
         if given:  # its own commit: done and failed are retried without it
             await self._release_unstarted(given)
             del self.unstarted[:len(given)]
+        if yielded:  # its own commit too, after the checkpoints (a yield ends the lease)
+            await self._write_preempted(yielded)
+            del self.preempted[:len(yielded)]
         started = self.spans.write_started() if self.spans is not None else 0
         accepted, outcomes = await self._write_outcomes(done, failed)
         if orphans:
@@ -199,6 +208,21 @@ class Completer(Writer):
         for session, (ok_ids, bad_ids) in acks.items():
             session.send_ack(tuple(ok_ids), tuple(bad_ids))
         self._log(done, failed, accepted, outcomes)
+
+    async def _write_preempted(self, yielded: list[tuple[Session, Preempted, str]]) -> None:
+        """Jobs that yielded: pending again where their token holds, each agent acked."""
+        moved = await preemptions.preempted_many(self.pool, [(m.id, m.lease_token) for _, m, _ in yielded])
+        back = {*moved.pending, *moved.dead}
+        acks: dict[Session, tuple[list[int], list[int]]] = {}
+        for session, m, _kind in yielded:
+            acks.setdefault(session, ([], []))[0 if m.id in back else 1].append(m.id)
+        for session, (ok_ids, bad_ids) in acks.items():
+            if ok_ids:
+                log.info("job.preempted", agent=session.id, job_ids=ok_ids, count=len(ok_ids))
+            if bad_ids:
+                log.warning("job.rejected", agent=session.id, job_ids=bad_ids, reason="stale lease token")
+                metrics.RESULTS_REJECTED.inc(len(bad_ids))
+            session.send_ack(tuple(ok_ids), tuple(bad_ids))
 
     async def _write_checkpoints(self, checkpoints: list[tuple[Session, CheckpointItem]]) -> None:
         """Store each job's latest checkpoint (an earlier one of the same job in the batch is

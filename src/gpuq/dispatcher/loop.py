@@ -34,7 +34,7 @@ from gpuq.dispatcher.tuning import TUNING_DEFAULT, Tuning
 from gpuq.jobs import JobBackoff, LeasedJob
 from gpuq.latency import JobLatency
 from gpuq.loops import Outage, run_every
-from gpuq.protocol import CheckpointItem, DeviceFault, Done, Failed, ProgressUpdate
+from gpuq.protocol import CheckpointItem, DeviceFault, Outcome, ProgressUpdate
 from gpuq.quarantine import Policy
 
 log = logs.get("dispatcher")
@@ -60,7 +60,7 @@ class Dispatcher:
         self.placing = Placing(pool, config, tuning, self.roster, self.fair_share)
         self.batching = Batching(pool, config, tuning)
         self.quarantine = Quarantine(pool, Policy(config.quarantine_faults, config.quarantine_window_seconds), self.sessions, self._quarantine_changed, tuning)
-        self.trigger.on_quarantine, self._passes = self.quarantine.changed, 0
+        self.trigger.on_quarantine, self.trigger.on_preempt, self._passes = self.quarantine.changed, self.sessions.preempt_running, 0
 
     @property
     def listening(self) -> bool:
@@ -112,7 +112,7 @@ class Dispatcher:
         self.spans.forget(session.inflight)
         session.inflight.clear()
 
-    def submit(self, session: AgentSession, outcomes: Iterable[tuple[Done | Failed, str]], freed: int,
+    def submit(self, session: AgentSession, outcomes: Iterable[tuple[Outcome, str]], freed: int,
                ran: dict[int, float] | None = None) -> None:
         """Queue reported outcomes ``(message, kind)`` for the database; ``freed`` credits came back.
 

@@ -13,7 +13,9 @@ It owns what placement needs between passes:
 - batches: a batched kind's shape gives each slot of an agent that takes
   batches one batch of its jobs (``gpuq.batches``, like ``Batching`` for plain
   jobs); when the shape's next partial batch may go (``wait_left``). A limited
-  kind's or key's jobs go one by one.
+  kind's or key's jobs go one by one;
+- preemption (``Preempting``): after the shapes, a GPU shape with no room
+  may preempt lower-priority preemptible jobs here (it reserves their agent).
 
 While fair share is on (``FairShare``), a shape's single jobs lease in its
 order (each slot to the tenant with the least usage per weight), and the
@@ -36,6 +38,7 @@ from gpuq import admin, batches, db, logs, metrics, placement, quarantine, queue
 from gpuq.config import ServerConfig
 from gpuq.dispatcher.batching import Look, lease_formed
 from gpuq.dispatcher.fairshare import FairShare
+from gpuq.dispatcher.preempting import Preempting
 from gpuq.dispatcher.roster import Roster
 from gpuq.dispatcher.sessions import AgentSession, Sessions
 from gpuq.dispatcher.tuning import Tuning
@@ -60,6 +63,7 @@ class Placing:
         self._reserve_at = 0.0
         self._warm_wait_ends: dict[ShapeKey, float] = {}  # shape -> when a cold agent may take its next job
         self._batch_due: dict[ShapeKey, float] = {}  # batched shape -> when its next partial batch may go
+        self.preempting = Preempting(pool, config, tuning)  # GPU shapes with no room may preempt
 
     # -- a pass ------------------------------------------------------------
 
@@ -98,6 +102,8 @@ class Placing:
         # A partial batch that was due and not looked at again (no agent had room for it): a freed
         # credit looks again; no wake-up for it meanwhile, or the loop would spin.
         self._batch_due = {key: at for key, at in self._batch_due.items() if key not in due or at > now}
+        if not stopping():
+            await self.preempting.look(self.shapes, agents, self.reserved)
 
     async def _lease_shape(self, key: ShapeKey, shape: Shape, agents: Sessions, warm_only: bool, ready: bool,
                            stopping: Callable[[], bool], policy: batches.Policy | None) -> AsyncIterator[list[LeasedJob]]:
@@ -267,14 +273,17 @@ class Placing:
         """Seconds until placement wants a pass of its own (None: never): a throttled shapes read,
         a warm wait that ends, a partial batch that may go, or the next look at whether reserved shapes still have a job waiting.
         A wait, not a reason to skip arming the wake-up mark: producers must keep notifying meanwhile."""
+        preempt = self.preempting.wait_left()  # its agents are full: room or not
         if not any_room:
-            return None
+            return preempt
         now = time.monotonic()
         waits = [at - now for at in (*self._warm_wait_ends.values(), *self._batch_due.values())]
         if self.reserved:
             waits.append(self._reserve_at - now)
         if self._shapes_stale:
             waits.append(self._shapes_at + self.tuning.shapes_seconds - now)
+        if preempt is not None:
+            waits.append(preempt)
         return max(0.0, min(waits)) if waits else None
 
     async def _refresh(self, wanted: bool) -> None:

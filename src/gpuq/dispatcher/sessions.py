@@ -154,6 +154,13 @@ class Sessions:
             session.flush()
             log.info("job.cancel_sent", agent=session.id, job_ids=told)
 
+    def preempt_running(self, ids: list[int], grace_seconds: float) -> None:
+        """Jobs asked to yield (``gpuq.preempt``): the agents holding them are told, with the deadline."""
+        for session in self._by_id.values():
+            if told := session.protocol.preempt(ids, grace_seconds):
+                session.flush()
+                log.info("job.preempt_sent", agent=session.id, job_ids=told, grace_seconds=grace_seconds)
+
     def send_drain(self, deadline_seconds: float) -> None:
         for s in self._by_id.values():
             s.protocol.send_drain(deadline_seconds)

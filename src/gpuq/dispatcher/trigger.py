@@ -56,6 +56,7 @@ class LeaseTrigger:
         self.listen_pid: int | None = None  # our LISTEN connection's backend pid
         self.on_listen: Callable[[], Any] | None = None  # awaited after each (re)connect of LISTEN
         self.on_quarantine: Callable[[str], None] | None = None  # an agent's quarantine changed (its name)
+        self.on_preempt: Callable[[list[int], float], None] | None = None  # leased jobs must yield (ids, grace)
         self._mark_seen = 0  # the mark (server ms) our last arm left; 0: none to rely on
         self._arm_at = 0.0  # monotonic: arm again from here on
         self._stragglers: list[str] = []  # transactions to see end before the owed pass
@@ -206,6 +207,10 @@ class LeaseTrigger:
         if payload.startswith(wakeups.CANCEL_PREFIX):
             self._on_cancel(wakeups.parse_cancel(payload))
             return
+        if payload.startswith(wakeups.PREEMPT_PREFIX):
+            if self.on_preempt is not None:
+                grace, ids = wakeups.parse_preempt(payload)
+                self.on_preempt(ids, grace)
         if payload.startswith(wakeups.QUARANTINE_PREFIX):
             if self.on_quarantine is not None:
                 self.on_quarantine(payload[len(wakeups.QUARANTINE_PREFIX):])

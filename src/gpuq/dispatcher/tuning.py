@@ -38,6 +38,8 @@ FAIR_PROBES_DEFAULT = 8
 FAIR_WAITING_SECONDS_DEFAULT = 0.05
 # How often it asks how long each multi-GPU shape's next job has waited (for reservations).
 RESERVE_CHECK_SECONDS_DEFAULT = 1.0
+# How often, at most, it looks for preemptible jobs to preempt for GPU shapes that found no room.
+PREEMPT_CHECK_SECONDS_DEFAULT = 0.25
 # Placement across servers (gpuq.fleet_agents, dispatcher/roster.py): how often a server marks
 # its agents' rows seen; after how long without that another server's rows stop counting (and
 # are pruned: it crashed or lost the database); how often, at most, it reads the others' rows.
@@ -63,6 +65,7 @@ class Tuning:
     settle_seconds: float = SETTLE_SECONDS_DEFAULT
     shapes_seconds: float = SHAPES_SECONDS_DEFAULT
     reserve_check_seconds: float = RESERVE_CHECK_SECONDS_DEFAULT
+    preempt_check_seconds: float = PREEMPT_CHECK_SECONDS_DEFAULT
     fair_share_seconds: float = FAIR_SHARE_SECONDS_DEFAULT
     fair_probes: int = FAIR_PROBES_DEFAULT
     fair_waiting_seconds: float = FAIR_WAITING_SECONDS_DEFAULT

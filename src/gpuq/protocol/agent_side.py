@@ -44,6 +44,11 @@ I/O layer (``gpuq.agent``) feeds frames to ``receive()`` and sends what
   *unit*: a job or a ``Batch``. A cancelled item of a ready batch ends at once
   and the batch goes on without it; one of a running batch is only marked
   (the slot reports it ``cancelled`` when the batch handler returns).
+- preemption (version 9): a job pushed with ``grace_seconds`` is preemptible;
+  ``preempt`` marks the named running jobs ``preempted`` with a deadline (the
+  I/O layer stops them then) and gives back (``release``) those that wait
+  ready; ``yield_running`` marks every preemptible one (the agent is leaving);
+  ``job_preempted`` reports one that yielded.
 - device faults (version 9): ``device_fault()`` says devices of the hello are
   bad (a handler's ``DeviceError``, an Xid or ECC error NVML read); kept
   until a connection of version 9 is open (at most ``MAX_KEPT_FAULTS``), never
@@ -95,6 +100,7 @@ from gpuq.protocol.messages import (
     Hello,
     JobMessage,
     Jobs,
+    Preempt,
     Release,
     ServerMessage,
     Update,
@@ -103,6 +109,7 @@ from gpuq.protocol.messages import (
 )
 from gpuq.protocol.parse import parse_client, parse_server
 from gpuq.protocol.slots import SlotClock
+from gpuq.protocol.yielding import Yielding
 
 MAX_KEPT_FAULTS = 64  # device faults kept while no version 9 connection is open; more are dropped
 
@@ -113,7 +120,7 @@ class State(Enum):
     OPEN = "open"
 
 
-class AgentProtocol:
+class AgentProtocol(Yielding):
     def __init__(self, hello: Hello, clock: Callable[[], float] = time.monotonic):
         parse_client(encode(hello), 1 << 20)  # the server's rules, checked before connecting
         self.hello = hello
@@ -208,6 +215,8 @@ class AgentProtocol:
                 mark_cancelled(job)
             waiting = self._end_waiting({job.id for job in running}) if running else set()
             return Cancel(tuple(job.id for job in running if job.id not in waiting))
+        elif isinstance(msg, Preempt):
+            return self._preempt(msg)
         return msg
 
     def _end_waiting(self, cancelled: set[int]) -> set[int]:
@@ -241,7 +250,10 @@ class AgentProtocol:
 
     def take(self, jobs: Iterable[JobMessage]) -> list[Unit]:
         """Pushed jobs to start now, each batch as one ``Batch``; the others wait ready for
-        ``next_jobs()`` (or, pushed while the agent drains, go back at once)."""
+        ``next_jobs()`` (or, pushed while the agent drains, go back at once; all of them once it leaves)."""
+        if self.leaving:
+            self._give_back(list(units(jobs)))
+            return []
         now: list[Unit] = []
         for job in units(jobs):
             if job.devices:
@@ -256,7 +268,7 @@ class AgentProtocol:
         if self.ready_gpu:
             now.extend(self._devices_freed())
         if self.draining:
-            self._release_ready()
+            self._give_back(self.waiting)
         return now
 
     def job_started(self, job: Unit) -> None:
@@ -383,19 +395,21 @@ class AgentProtocol:
         self.draining, self.checkpoints.interval = True, 0.0
         if self.state is State.OPEN:
             self._control.append(encode(Drain()))
-            self._release_ready()
+            self._give_back(self.waiting)
 
-    def _release_ready(self) -> None:
-        """Give the ready jobs back: they will not start here."""
-        if (waiting := self.waiting) and self.state is State.OPEN and self._speaks_started:
-            ids = tuple(job_id for unit in waiting for job_id in job_ids(unit))
-            self._control.append(encode(Release(ids)))
-            for job_id in ids:
-                self.running.pop(job_id, None)
-            for unit in waiting:
-                self._forget(unit)
-            self.ready.clear()
-            self.ready_gpu = []
+    def _give_back(self, units: list[Unit]) -> None:
+        """Release these ready units (``release``): they will not start here."""
+        if not units or self.state is not State.OPEN or not self._speaks_started:
+            return
+        ids = tuple(job_id for unit in units for job_id in job_ids(unit))
+        self._control.append(encode(Release(ids)))
+        for job_id in ids:
+            self.running.pop(job_id, None)
+        for unit in units:
+            self._forget(unit)
+        gone = {id(unit) for unit in units}
+        self.ready = deque(unit for unit in self.ready if id(unit) not in gone)
+        self.ready_gpu = [unit for unit in self.ready_gpu if id(unit) not in gone]
 
     def frames_to_send(self) -> list[str]:
         if self.state is not State.OPEN:
@@ -410,7 +424,7 @@ class AgentProtocol:
 
 # Every method that changes state: the I/O layer calls them from its event loop, a sync slot from its thread.
 _CHANGES_STATE = ("connection_made", "connection_lost", "receive", "take", "job_started", "next_jobs", "_finish",
-                  "send_progress", "heartbeat", "update", "drain", "frames_to_send", "device_fault")
+                  "send_progress", "heartbeat", "update", "drain", "frames_to_send", "device_fault", "yield_running")
 
 
 class ThreadSafeAgentProtocol(AgentProtocol):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import IntEnum, StrEnum
 
-__all__ = ["BATCH_SINCE", "CHECKPOINT_SINCE", "MAX_CHECKPOINT_DATA", "MAX_TRACESTATE", "TRACE_SINCE", "CANCEL_SINCE", "MAX_BATCH_ITEMS", "MAX_CAPACITY", "MAX_CANCEL_IDS", "MAX_ERROR_TEXT", "MAX_HEARTBEAT_IDS", "MAX_JOB_ID",
+__all__ = ["BATCH_SINCE", "CHECKPOINT_SINCE", "MAX_CHECKPOINT_DATA", "MAX_PREEMPT_SECONDS", "PREEMPT_SINCE", "MAX_TRACESTATE", "TRACE_SINCE", "CANCEL_SINCE", "MAX_BATCH_ITEMS", "MAX_CAPACITY", "MAX_CANCEL_IDS", "MAX_ERROR_TEXT", "MAX_HEARTBEAT_IDS", "MAX_JOB_ID",
            "MAX_KINDS", "MAX_PROGRESS_DATA", "MAX_PROGRESS_MESSAGE", "MAX_RESULTS", "PLACEMENT_SINCE", "QUARANTINE_SINCE", "MAX_FAULT_ERROR", "PREFETCH_SINCE", "MAX_PREFETCH", "PROGRESS_SINCE",
            "PROTOCOL_VERSION", "SLOTS_SINCE", "SUPPORTED_VERSIONS", "CloseCode", "ErrorCode", "ProtocolError"]
 
@@ -29,6 +29,10 @@ MAX_FAULT_ERROR = 1024  # characters of a fault's error kept (cut, not refused)
 # ``checkpoint`` (agent) and ``checkpointed`` (server); ``resume_from`` in pushed jobs
 CHECKPOINT_SINCE = 9
 MAX_CHECKPOINT_DATA = 8192  # bytes of a checkpoint's data as JSON: more is refused
+# ``preempt`` (server -> agent: yield these jobs by a deadline) and ``preempted`` outcomes (agent -> server);
+# only an agent of this version is given preemptible jobs
+PREEMPT_SINCE = 9
+MAX_PREEMPT_SECONDS = 86400.0  # the longest deadline a ``preempt`` may give
 
 MAX_KINDS = 64
 MAX_CAPACITY = 4096

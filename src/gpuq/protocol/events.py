@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 from gpuq.protocol.messages import (
     CheckpointItem,
     DeviceFault,
-    Done,
     Error,
-    Failed,
     Hello,
+    Outcome,
     ProgressUpdate,
 )
 from gpuq.protocol.slots import SlotReport
@@ -31,7 +30,7 @@ class OutcomesReceived:
     """Outcomes to persist, each with its job's kind ('?' when not held here); ``freed`` credits;
     ``ran``: seconds each job ran from its ``started`` (version 5) to its outcome, as received."""
 
-    outcomes: list[tuple[Done | Failed, str]]
+    outcomes: list[tuple[Outcome, str]]
     freed: int
     ran: dict[int, float]
     # Failed jobs this connection held with devices: id -> (lease token, those devices).

@@ -56,8 +56,12 @@ def encode(msg: m.ServerMessage | m.ClientMessage) -> str:
                 "heartbeat_seconds": msg.heartbeat_seconds, "max_payload": msg.max_payload}
     elif isinstance(msg, m.ServerDrain):
         body = {"type": "drain", "deadline_seconds": msg.deadline_seconds}
+    elif isinstance(msg, m.Preempted):
+        body = {"type": "preempted", "id": msg.id, "lease_token": msg.lease_token}
     elif isinstance(msg, m.Cancel):
         body = {"type": "cancel", "ids": list(msg.ids)}
+    elif isinstance(msg, m.Preempt):
+        body = {"type": "preempt", "ids": list(msg.ids), "deadline_seconds": msg.deadline_seconds}
     elif isinstance(msg, m.Error):
         body = {"type": "error", "code": msg.code, "message": msg.message}
     elif isinstance(msg, m.Hello):
@@ -157,7 +161,7 @@ def jobs_frame(messages: list[str]) -> str:
 def job_message(job_id: int, lease_token: str, kind: str, payload_json: str, attempt: int,
                 timeout: int | None = None, devices: tuple[int, ...] = (), queued_ms: int | None = None,
                 batch: int | None = None, trace: tuple[str, str | None] | None = None,
-                resume_json: str | None = None) -> str:
+                resume_json: str | None = None, grace_seconds: float | None = None) -> str:
     """One pushed job, as JSON, around a payload that is JSON text already (from PostgreSQL).
 
     Spliced, not encoded: the lease token is PostgreSQL's uuid text and the
@@ -181,6 +185,8 @@ def job_message(job_id: int, lease_token: str, kind: str, payload_json: str, att
             limit += ',"tracestate":' + to_json(trace[1])
     if resume_json is not None:
         limit += ',"resume_from":' + resume_json
+    if grace_seconds is not None:  # protocol 9: a preemptible job
+        limit += f',"grace_seconds":{float(grace_seconds)!r}'
     return (f'{{"id":{job_id:d},"lease_token":"{lease_token}","kind":"{kind}","payload":{payload_json},'
             f'"attempt":{attempt:d}{limit}}}')
 

@@ -42,7 +42,7 @@ from typing import Any
 
 from gpuq.protocol.codes import BATCH_SINCE, PREFETCH_SINCE, SLOTS_SINCE
 from gpuq.protocol.describe import Device, DeviceUsage
-from gpuq.protocol.messages import Done, Failed, Hello
+from gpuq.protocol.messages import Hello, Outcome
 from gpuq.protocol.slots import BusyWindow
 
 UNKNOWN_KIND = "?"  # the kind given with an outcome for a job this connection does not hold
@@ -220,8 +220,8 @@ class Ledger:
             self._batched_extra -= 1
         return False
 
-    def settle(self, outcomes: Iterable[Done | Failed],
-               now: float = 0.0) -> tuple[list[tuple[Done | Failed, str]], int, dict[int, float]]:
+    def settle(self, outcomes: Iterable[Outcome],
+               now: float = 0.0) -> tuple[list[tuple[Outcome, str]], int, dict[int, float]]:
         """Free the credit (or devices) of each held job whose token matches: each outcome with its
         job's kind (``UNKNOWN_KIND`` when not held here), how many credits (or jobs' devices) were
         freed (a batch's with its last outcome), and how long each job said started ran until ``now``

@@ -20,9 +20,9 @@ from gpuq.protocol.receipts import Receipt
 from gpuq.protocol.slots import SlotReport
 
 __all__ = ["Ack", "Cancel", "Checkpoint", "CheckpointItem", "Checkpointed", "ClientMessage", "DeviceFault", "Done", "Drain",
-           "Error", "Failed", "Heartbeat", "Hello", "JobMessage", "Jobs", "Progress", "ProgressUpdate", "Release", "Results",
-           "ServerDrain", "ServerMessage", "Started", "Update", "Welcome", "attach_checkpointer", "attach_reporter",
-           "mark_cancelled"]
+           "Error", "Failed", "Heartbeat", "Hello", "JobMessage", "Jobs", "Outcome", "Preempt", "Preempted", "Progress",
+           "ProgressUpdate", "Release", "Results", "ServerDrain", "ServerMessage", "Started", "Update", "Welcome",
+           "attach_checkpointer", "attach_reporter", "mark_cancelled", "mark_preempted", "on_preempt"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,10 +73,19 @@ class Failed(_LeasedJob):
 
 
 @dataclass(frozen=True, slots=True)
+class Preempted(_LeasedJob):
+    """Protocol 9: the job stopped because the server asked it to yield (``Preempt``): it goes back to
+    pending, its attempt not counted."""
+
+
+Outcome = Done | Failed | Preempted
+
+
+@dataclass(frozen=True, slots=True)
 class Results:
     """Many outcomes in one frame: how the agent library reports (one frame, one parse)."""
 
-    outcomes: tuple[Done | Failed, ...]
+    outcomes: tuple[Outcome, ...]
     started: tuple[int, ...] = ()  # protocol 5: as ``Started``, in the same frame
 
 
@@ -156,8 +165,8 @@ class Checkpoint:
     items: tuple[CheckpointItem, ...]
 
 
-ClientMessage = (Hello | Done | Failed | Results | Heartbeat | Drain | Progress | Update | Started | Release
-                 | DeviceFault | Checkpoint)
+ClientMessage = (Hello | Done | Failed | Preempted | Results | Heartbeat | Drain | Progress | Update | Started
+                 | Release | DeviceFault | Checkpoint)
 
 
 # --------------------------------------------------------------------------
@@ -180,7 +189,10 @@ class JobMessage:
 
     ``cancelled`` turns true when the server cancels the job (``gpuq cancel``):
     a sync handler checks it and returns early; an async one is cancelled.
-    ``progress()`` reports how far it has got.
+    ``preempted`` turns true when the server asks a preemptible job to yield
+    (protocol 9): the handler may checkpoint and stop (raise, or return early
+    with ``gpuq.agent.Preempted``) before ``preempt_deadline`` (``time.monotonic()``),
+    when the agent stops it. ``progress()`` reports how far it has got.
     """
 
     id: int
@@ -197,7 +209,12 @@ class JobMessage:
     trace: tuple[str, str | None] | None = None
     # Protocol 9: the job's last stored checkpoint (an earlier attempt's ``checkpoint()``), or None.
     resume_from: Any = None
+    grace_seconds: float | None = None  # protocol 9: a preemptible job's time to yield once asked (None: not preemptible)
     cancelled: bool = field(default=False, compare=False)
+    preempted: bool = field(default=False, compare=False)  # protocol 9: asked to yield (checkpoint, stop)
+    preempt_deadline: float | None = field(default=None, compare=False)  # time.monotonic() it is stopped at
+    # Called once when it is asked to yield (``on_preempt``: ``run_process`` sends its child SIGTERM).
+    on_preempted: list[Callable[[], None]] | None = field(default=None, compare=False, repr=False)
     # Where progress() sends an encoded update (the agent sets it); None: nowhere.
     reporter: Callable[[int, str], None] | None = field(default=None, compare=False, repr=False)
     # Where checkpoint() sends (id, lease token, data as JSON) for a receipt (the agent sets it).
@@ -230,6 +247,27 @@ class JobMessage:
 def mark_cancelled(job: JobMessage) -> None:
     """Set ``job.cancelled``: the one field of a pushed job that changes (server cancel, or its timeout)."""
     object.__setattr__(job, "cancelled", True)
+
+
+def mark_preempted(job: JobMessage, deadline: float) -> None:
+    """Set ``job.preempted`` and its deadline (the agent's clock), and call what waits for it."""
+    if job.preempted:
+        return
+    object.__setattr__(job, "preempt_deadline", deadline)
+    object.__setattr__(job, "preempted", True)
+    for callback in job.on_preempted or ():
+        callback()
+
+
+def on_preempt(job: JobMessage, callback: Callable[[], None]) -> None:
+    """Call ``callback`` when the job is asked to yield (at once if it was)."""
+    if job.preempted:
+        callback()
+        return
+    if job.on_preempted is None:
+        object.__setattr__(job, "on_preempted", [])
+    assert job.on_preempted is not None
+    job.on_preempted.append(callback)
 
 
 def attach_reporter(job: JobMessage, reporter: Callable[[int, str], None]) -> None:
@@ -284,4 +322,14 @@ class Checkpointed:
     refused: tuple[int, ...]
 
 
-ServerMessage = Welcome | Jobs | Ack | ServerDrain | Error | Cancel | Checkpointed
+@dataclass(frozen=True, slots=True)
+class Preempt:
+    """From the server (protocol 9): yield these running jobs of yours; the agent stops those still
+    running ``deadline_seconds`` from now and reports them ``preempted``."""
+
+    ids: tuple[int, ...]
+    deadline_seconds: float
+
+
+ServerMessage = Welcome | Jobs | Ack | ServerDrain | Error | Cancel | Checkpointed | Preempt
+

@@ -25,6 +25,7 @@ from gpuq.protocol.codes import (
     MAX_FAULT_ERROR,
     MAX_JOB_ID,
     MAX_KINDS,
+    MAX_PREEMPT_SECONDS,
     MAX_PREFETCH,
     MAX_RESULTS,
     PLACEMENT_SINCE,
@@ -95,13 +96,13 @@ def parse_client(frame: str | bytes, max_size: int) -> m.ClientMessage:
     exact_fields(obj, fields, fatal=kind == "hello")
     if kind == "hello":
         return _hello(obj)
-    if kind in ("done", "failed"):
+    if kind in _OUTCOME_FIELDS:
         return _outcome(obj, "\\u0000" in frame)
     if kind == "results":
         items = obj["results"]
         if not isinstance(items, list) or not 1 <= len(items) <= MAX_RESULTS:
             raise ProtocolError(BAD_MESSAGE, f"results.results must be a list of 1-{MAX_RESULTS} "
-                                "done or failed messages")
+                                "done, failed or preempted messages")
         maybe_nul = "\\u0000" in frame
         return m.Results(tuple(_outcome(item, maybe_nul) for item in items),
                          job_ids(obj["started"], "results.started") if "started" in obj else ())
@@ -131,6 +132,7 @@ def parse_client(frame: str | bytes, max_size: int) -> m.ClientMessage:
 _OUTCOME_FIELDS = {
     "done": {"type", "id", "lease_token", "result"},
     "failed": {"type", "id", "lease_token", "error", "retryable"},
+    "preempted": {"type", "id", "lease_token"},  # protocol 9
 }
 _CLIENT_FIELDS = {
     "hello": {"type", "agent", "kinds", "capacity", "protocol"},
@@ -201,14 +203,16 @@ def _seq(value: Any) -> int:
     raise ProtocolError(BAD_MESSAGE, f"checkpoint seq must be a positive 64-bit integer, not {str(value)[:40]!r}")
 
 
-def _outcome(obj: Any, maybe_nul: bool) -> m.Done | m.Failed:
-    """A done or failed object, alone or inside ``results``."""
+def _outcome(obj: Any, maybe_nul: bool) -> m.Outcome:
+    """A done, failed or preempted object, alone or inside ``results``."""
     kind = obj.get("type") if isinstance(obj, dict) else None
     fields = _OUTCOME_FIELDS.get(kind) if isinstance(kind, str) else None
     if fields is None:
-        raise ProtocolError(BAD_MESSAGE, "each outcome must be a done or failed message")
+        raise ProtocolError(BAD_MESSAGE, "each outcome must be a done, failed or preempted message")
     if obj.keys() != fields:
         exact_fields(obj, fields, fatal=False)
+    if kind == "preempted":
+        return m.Preempted(job_id(obj["id"]), token(obj["lease_token"]))
     if kind == "done":
         # PostgreSQL's jsonb cannot store U+0000: refuse it here, not in a batch write.
         if maybe_nul and contains_nul(obj["result"]):
@@ -278,7 +282,7 @@ def parse_server(frame: str | bytes) -> m.ServerMessage:
                                              j["payload"], int(j["attempt"]), timeout(j.get("timeout")),
                                              device_indices(j.get("devices")), queued(j.get("queued_ms")),
                                              batch_number(j.get("batch")), _trace(j) if "traceparent" in j else None,
-                                             j.get("resume_from"))
+                                             j.get("resume_from"), _grace(j.get("grace_seconds")))
                                 for j in obj["jobs"]))
         if kind == "ack":
             return m.Ack(tuple(job_id(i) for i in obj["accepted"]), tuple(job_id(i) for i in obj["rejected"]))
@@ -293,9 +297,26 @@ def parse_server(frame: str | bytes) -> m.ServerMessage:
             if not isinstance(ids, list) or len(ids) > MAX_CANCEL_IDS:
                 raise ValueError(f"cancel.ids must be a list of at most {MAX_CANCEL_IDS} job ids")
             return m.Cancel(tuple(job_id(i) for i in ids))
+        if kind == "preempt":
+            ids, seconds = obj["ids"], obj["deadline_seconds"]
+            if not isinstance(ids, list) or len(ids) > MAX_CANCEL_IDS:
+                raise ValueError(f"preempt.ids must be a list of at most {MAX_CANCEL_IDS} job ids")
+            if not isinstance(seconds, int | float) or isinstance(seconds, bool) \
+                    or not 0 <= seconds <= MAX_PREEMPT_SECONDS:
+                raise ValueError(f"preempt.deadline_seconds must be a number 0-{MAX_PREEMPT_SECONDS:g}")
+            return m.Preempt(tuple(job_id(i) for i in ids), float(seconds))
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(BAD_MESSAGE, f"malformed {kind} message from the server: {exc}") from None
     raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r} from the server")
+
+
+def _grace(value: Any) -> float | None:
+    """A pushed job's ``grace_seconds`` (protocol 9: it is preemptible), or None."""
+    if value is None:
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= MAX_PREEMPT_SECONDS:
+        raise ValueError(f"jobs[].grace_seconds must be a number above 0, at most {MAX_PREEMPT_SECONDS:g}")
+    return float(value)
 
 
 def _trace(job: dict[str, Any]) -> tuple[str, str | None]:

@@ -44,12 +44,14 @@ every rule of the connection lives here:
 - version 9: a pushed job carries its last checkpoint (``resume_from``) when
   it has one; the agent's ``checkpoint`` items count only for jobs held with
   that lease token: the others are answered ``refused`` at once, the held
-  ones once the dispatcher has written them (``send_checkpointed``).
+  ones once the dispatcher has written them (``send_checkpointed``); a preemptible job is pushed
+  with its ``grace_seconds``, ``preempt`` asks the agent to yield held jobs by a deadline,
+  ``preempted`` settles a job like any outcome (``unexpected`` before version 9).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any, Protocol
 
@@ -58,6 +60,7 @@ from gpuq.protocol.codes import (
     CANCEL_SINCE,
     CHECKPOINT_SINCE,
     PLACEMENT_SINCE,
+    PREEMPT_SINCE,
     PREFETCH_SINCE,
     PROGRESS_SINCE,
     QUARANTINE_SINCE,
@@ -97,6 +100,9 @@ from gpuq.protocol.messages import (
     Failed,
     Heartbeat,
     Hello,
+    Outcome,
+    Preempt,
+    Preempted,
     Progress,
     ProgressUpdate,
     Release,
@@ -199,7 +205,7 @@ class ServerProtocol:
         return [HelloReceived(msg)]
 
     def _message(self, msg: ClientMessage) -> list[Event]:
-        if isinstance(msg, Done | Failed):
+        if isinstance(msg, Done | Failed | Preempted):
             return [self._outcomes((msg,))]
         if isinstance(msg, Results):
             if msg.started:
@@ -238,7 +244,8 @@ class ServerProtocol:
             return self._checkpoint(msg.items)
         raise ProtocolError(ErrorCode.UNEXPECTED, "hello was already received on this connection")
 
-    def _outcomes(self, outcomes: tuple[Done | Failed, ...]) -> OutcomesReceived:
+    def _outcomes(self, outcomes: tuple[Outcome, ...]) -> OutcomesReceived:
+        self._needs(PREEMPT_SINCE if any(isinstance(o, Preempted) for o in outcomes) else 0, "preempted")
         given = self.ledger.devices_in_use
         failed_on = {o.id: (o.lease_token, given[o.id]) for o in outcomes
                      if type(o) is Failed and o.id in given and self.ledger.holds(o.id, o.lease_token)} if given else {}
@@ -323,7 +330,7 @@ class ServerProtocol:
         pushed: list[str] = []
         refused: list[Any] = []
         queued, traced = self.version >= SLOTS_SINCE, self.version >= TRACE_SINCE
-        resumes = self.version >= CHECKPOINT_SINCE
+        resumes, yielding = self.version >= CHECKPOINT_SINCE, self.version >= PREEMPT_SINCE
         units = group(jobs)
         # An agent with devices holds first the jobs that must avoid some (``avoiding_first``).
         holds = {id(unit): self._hold(unit) for unit in avoiding_first(units)} if self.ledger.devices else None
@@ -337,7 +344,8 @@ class ServerProtocol:
                                       getattr(j, "timeout_seconds", None), devices,
                                       getattr(j, "queued_ms", None) if queued else None, number,
                                       getattr(j, "trace", None) if traced else None,
-                                      getattr(j, "resume_json", None) if resumes else None)
+                                      getattr(j, "resume_json", None) if resumes else None,
+                                      getattr(j, "grace_seconds", None) if yielding else None)
                           for j in unit)
         if pushed:
             self._out.append(jobs_frame(pushed))
@@ -369,12 +377,18 @@ class ServerProtocol:
         """Tell the agent these jobs were cancelled: those this connection holds, if its version
         has ``cancel`` (a version 1 agent runs them to the end; fencing refuses the outcome).
         They stay held, and keep their credit, until the agent reports them."""
-        mine = self.ledger.held
-        held = [i for i in ids if i in mine]
-        if held and self.version >= CANCEL_SINCE and self.state is State.OPEN:
-            self._out.append(encode(Cancel(tuple(held))))
-            return held
-        return []
+        return self._tell(ids, CANCEL_SINCE, lambda held: Cancel(held))
+
+    def preempt(self, ids: Iterable[int], deadline_seconds: float) -> list[int]:
+        """Ask the agent to yield these jobs by ``deadline_seconds`` from now, as ``cancel`` tells (version 9)."""
+        return self._tell(ids, PREEMPT_SINCE, lambda held: Preempt(held, deadline_seconds))
+
+    def _tell(self, ids: Iterable[int], since: int, message: Callable[[tuple[int, ...]], Cancel | Preempt]) -> list[int]:
+        held = [i for i in ids if i in self.ledger.held]
+        if not held or self.version < since or self.state is not State.OPEN:
+            return []
+        self._out.append(encode(message(tuple(held))))
+        return held
 
     def send_drain(self, deadline_seconds: float) -> None:
         self._out.append(encode(ServerDrain(deadline_seconds)))

@@ -14,46 +14,52 @@
 -- * Locked rows are updated by ctid: no primary-key descent per row.
 
 -- name: enqueue_plain
--- Insert jobs from parallel arrays, in input order (placement arrays $9-$13 NULL: none; batching arrays $14-$15 NULL: none; tenants $16 NULL: the default), every one with the producer's trace $17, $18 (NULL: none); returns their ids in that order.
+-- Insert jobs from parallel arrays, in input order (placement arrays $9-$13 NULL: none; batching arrays $14-$15 NULL: none; tenants $16 NULL: the default; preemption arrays $19-$21 NULL: none preemptible), every one with the producer's trace $17, $18 (NULL: none); returns their ids in that order.
 INSERT INTO gpuq.jobs (kind, payload, priority, max_attempts, run_at, status, timeout_seconds,
                        gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant,
-                       traceparent, tracestate)
+                       traceparent, tracestate, preemptible, grace_seconds, max_preemptions)
 SELECT kind, payload, priority, max_attempts, run_at,
        CASE WHEN run_at > now() THEN 'scheduled'::gpuq.job_status ELSE 'pending' END, timeout_seconds,
        coalesce(gpus, 0), gpu_memory_mb, coalesce(string_to_array(labels, ','), '{}'), model, concurrency_key,
-       cost, batch_key, tenant, $17::text, $18::text
+       cost, batch_key, tenant, $17::text, $18::text,
+       coalesce(preemptible, false), coalesce(grace_seconds, 30), coalesce(max_preemptions, 10)
 FROM (
     SELECT kind, coalesce(payload::jsonb, '{}'::jsonb) AS payload, priority, max_attempts,
            coalesce(run_at, now() + make_interval(secs => delay)) AS run_at, timeout_seconds,
-           gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant, ord
+           gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant,
+           preemptible, grace_seconds, max_preemptions, ord
     FROM unnest($1::text[], $2::text[], $3::smallint[], $4::int[], $5::timestamptz[],
                 $6::float8[], $7::text[], $8::int[], $9::smallint[], $10::int[], $11::text[], $12::text[],
-                $13::text[], $14::bigint[], $15::text[], $16::text[])
+                $13::text[], $14::bigint[], $15::text[], $16::text[], $19::bool[], $20::float8[], $21::int[])
         WITH ORDINALITY AS t(kind, payload, priority, max_attempts, run_at, delay, dedup_key, timeout_seconds,
-                             gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant, ord)
+                             gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant,
+                             preemptible, grace_seconds, max_preemptions, ord)
 ) AS input
 ORDER BY ord
 RETURNING id;
 
 -- name: enqueue_dedup
--- Insert jobs with distinct dedup keys (arrays as enqueue_plain's), with the producer's trace $17, $18 (NULL: none); a key with a live job gets that job's id (NULL if it committed after our snapshot).
+-- Insert jobs with distinct dedup keys (arrays as enqueue_plain's, preemption $19-$21), with the producer's trace $17, $18 (NULL: none); a key with a live job gets that job's id (NULL if it committed after our snapshot).
 WITH input AS (
     SELECT kind, coalesce(payload::jsonb, '{}'::jsonb) AS payload, priority, max_attempts,
            coalesce(run_at, now() + make_interval(secs => delay)) AS run_at, dedup_key, timeout_seconds,
-           gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant, ord
+           gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant,
+           preemptible, grace_seconds, max_preemptions, ord
     FROM unnest($1::text[], $2::text[], $3::smallint[], $4::int[], $5::timestamptz[],
                 $6::float8[], $7::text[], $8::int[], $9::smallint[], $10::int[], $11::text[], $12::text[],
-                $13::text[], $14::bigint[], $15::text[], $16::text[])
+                $13::text[], $14::bigint[], $15::text[], $16::text[], $19::bool[], $20::float8[], $21::int[])
         WITH ORDINALITY AS t(kind, payload, priority, max_attempts, run_at, delay, dedup_key, timeout_seconds,
-                             gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant, ord)
+                             gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant,
+                             preemptible, grace_seconds, max_preemptions, ord)
 ), ins AS (
     INSERT INTO gpuq.jobs (kind, payload, priority, max_attempts, run_at, status, dedup_key, timeout_seconds,
                            gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, tenant,
-                           traceparent, tracestate)
+                           traceparent, tracestate, preemptible, grace_seconds, max_preemptions)
     SELECT kind, payload, priority, max_attempts, run_at,
            CASE WHEN run_at > now() THEN 'scheduled'::gpuq.job_status ELSE 'pending' END, dedup_key,
            timeout_seconds, coalesce(gpus, 0), gpu_memory_mb, coalesce(string_to_array(labels, ','), '{}'),
-           model, concurrency_key, cost, batch_key, tenant, $17::text, $18::text
+           model, concurrency_key, cost, batch_key, tenant, $17::text, $18::text,
+           coalesce(preemptible, false), coalesce(grace_seconds, 30), coalesce(max_preemptions, 10)
     FROM input ORDER BY ord
     ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL AND status IN ('pending', 'leased', 'scheduled')
     DO NOTHING
@@ -234,7 +240,7 @@ RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease
           j.payload::text AS payload_json, a.slot, a.ticket, coalesce(j.tenant, 'default') AS tenant,
           coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds,
           (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.traceparent, j.tracestate,
-          j.failed_devices, j.checkpoint::text AS checkpoint_json;
+          j.failed_devices, j.checkpoint::text AS checkpoint_json, j.grace_seconds;
 
 -- name: lease_placed
 -- Lease up to cardinality($3) pending jobs of kind $1 (not paused, no limit) and placement shape $2, by priority and id, none under a limited key; the i-th goes to slot $3[i].
@@ -266,7 +272,7 @@ RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease
           j.payload::text AS payload_json, s.slot,
           coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds,
           (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.traceparent, j.tracestate,
-          j.failed_devices, j.checkpoint::text AS checkpoint_json;
+          j.failed_devices, j.checkpoint::text AS checkpoint_json, j.grace_seconds;
 
 -- name: limits_lock
 -- Taken before lease_limited, in its transaction: limited leases run one at a time across dispatchers, each counting the last one's.
@@ -319,7 +325,7 @@ RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease
           j.payload::text AS payload_json, s.slot,
           coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds,
           (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.traceparent, j.tracestate,
-          j.failed_devices, j.checkpoint::text AS checkpoint_json;
+          j.failed_devices, j.checkpoint::text AS checkpoint_json, j.grace_seconds;
 
 -- name: limit_set
 -- At most $3 jobs leased at once under scope $1 ('kind' or 'key') and name $2 (NULL: no limit); wakes the dispatchers.
@@ -462,7 +468,7 @@ FROM gpuq.limits l ORDER BY l.scope, l.name;
 
 -- name: shapes
 -- Every placement shape enqueued so far, with what its jobs need (a handful of rows).
-SELECT kind, shape, gpus, gpu_memory_mb, labels, model, keyed FROM gpuq.shapes;
+SELECT kind, shape, gpus, gpu_memory_mb, labels, model, keyed, preemptible FROM gpuq.shapes;
 
 -- name: batch_head
 -- The next $2 pending plain jobs of kind $1 (not paused, no limit) in lease order (jobs_pending_idx), with what batches form by: cost, batch_key, the timeout an attempt will have, and the milliseconds each has been due. Reads, locks nothing.
@@ -514,13 +520,25 @@ RETURNING j.id, j.kind, j.attempts, j.max_attempts, j.lease_token::text AS lease
           j.payload::text AS payload_json,
           coalesce(j.timeout_seconds, (SELECT default_timeout FROM leasable)) AS timeout_seconds,
           (extract(epoch FROM now() - j.run_at) * 1000)::int8 AS queued_ms, j.batch_id, j.traceparent, j.tracestate,
-          j.checkpoint::text AS checkpoint_json;
+          j.checkpoint::text AS checkpoint_json, j.grace_seconds;
 
 -- name: placed_head
 -- Seconds the next pending job of kind $1 and shape $2 has been due (jobs_placed_idx; no row: none pending).
 SELECT extract(epoch FROM now() - run_at)::float8 AS waited FROM gpuq.jobs
 WHERE status = 'pending' AND shape IS NOT NULL AND kind = $1 AND shape = $2 AND run_at <= now()
 ORDER BY priority DESC, id LIMIT 1;
+
+-- name: placed_head_priority
+-- The priority of the next pending job of kind $1 and shape $2 that is due (jobs_placed_idx; no row: none pending).
+SELECT priority FROM gpuq.jobs
+WHERE status = 'pending' AND shape IS NOT NULL AND kind = $1 AND shape = $2 AND run_at <= now()
+ORDER BY priority DESC, id LIMIT 1;
+
+-- name: held_preemption
+-- Of the leased jobs $1 (held by this server's agents), how preemption sees each: preemptible, priority, seconds run, and whether it was asked to yield within its grace time.
+SELECT id, preemptible, priority, extract(epoch FROM now() - started_at)::float8 AS ran_seconds,
+       coalesce(preempt_at > now() - make_interval(secs => grace_seconds), false) AS yielding
+FROM gpuq.jobs WHERE id = ANY($1::bigint[]) AND status::text = 'leased';
 
 -- name: placed_pending
 -- Pending placed jobs per kind and shape (jobs_placed_idx: live rows only).
@@ -776,6 +794,36 @@ FROM (SELECT id FROM gpuq.jobs WHERE status::text = 'leased' AND id = ANY($1::bi
 WHERE j.id = picked.id AND given.id = j.id AND j.lease_token = given.token
 RETURNING j.id, j.kind, j.status;
 
+-- name: preempted_many
+-- Preemptible jobs that yielded (to a preempt, or their agent's interruption): ids $1 still leased with tokens $2 go back to pending (their place in the queue kept), one more preemption counted, the attempt not counted while preemptions are left (past max_preemptions, as a spot interruption can take it, it counts: dead after the last attempt, error $3); while fair share is on (gpuq.tenants has a row) the attempt's GPU-seconds are charged.
+WITH moved AS (
+    UPDATE gpuq.jobs j
+    SET status = CASE WHEN j.preemptions >= j.max_preemptions AND j.attempts >= j.max_attempts
+                      THEN 'dead'::gpuq.job_status ELSE 'pending' END,
+        finished_at = CASE WHEN j.preemptions >= j.max_preemptions AND j.attempts >= j.max_attempts THEN now() END,
+        last_error = CASE WHEN j.preemptions >= j.max_preemptions AND j.attempts >= j.max_attempts THEN $3
+                          ELSE j.last_error END,
+        attempts = j.attempts - (j.preemptions < j.max_preemptions)::int,
+        preemptions = j.preemptions + 1, preempt_at = NULL,
+        lease_token = NULL, lease_expires_at = NULL, leased_by = NULL
+    FROM (SELECT id FROM gpuq.jobs WHERE status::text = 'leased' AND id = ANY($1::bigint[]) FOR UPDATE) AS picked,
+         unnest($1::bigint[], $2::uuid[]) AS given(id, token)
+    WHERE j.id = picked.id AND given.id = j.id AND j.lease_token = given.token AND j.preemptible
+    RETURNING j.id, j.kind, j.status, j.tenant, gpuq.gpu_seconds(j.started_at, now(), j.gpus, j.batch_size) AS charge
+), charged AS (
+    INSERT INTO gpuq.tenant_usage AS u (tenant, usage, usage_at)
+    SELECT coalesce(tenant, 'default'), sum(charge), now() FROM moved
+    WHERE EXISTS (SELECT 1 FROM gpuq.tenants) GROUP BY 1 ORDER BY 1
+    ON CONFLICT (tenant) DO UPDATE
+    SET usage = gpuq.decayed(u.usage, u.usage_at, (SELECT gpuq.half_life())) + excluded.usage,
+        usage_at = greatest(u.usage_at, excluded.usage_at)
+)
+SELECT id, kind, status FROM moved;
+
+-- name: preempt
+-- Ask the running preemptible jobs among ids $1 to yield (gpuq.preempt: those with preemptions left, not asked within their grace time): each id asked and its grace time.
+SELECT id, grace_seconds FROM gpuq.preempt($1::bigint[]);
+
 -- name: release_jobs
 -- Give up the leases on ids $1 (shutdown, undeliverable jobs): back to pending, or dead with error $2; $3: they never reached an agent, so the attempt does not count.
 UPDATE gpuq.jobs j
@@ -894,7 +942,8 @@ SELECT id, kind, status::text AS status, priority, attempts, max_attempts, paylo
        finished_at, dedup_key, timeout_seconds, deadline_at, progress::text AS progress,
        gpus, gpu_memory_mb, labels, model, concurrency_key, cost, batch_key, batch_id, batch_size,
        traceparent, tracestate, coalesce(tenant, 'default') AS tenant,
-       failed_devices, checkpoint::text AS checkpoint, checkpoint_at, checkpoint_attempt
+       failed_devices, checkpoint::text AS checkpoint, checkpoint_at, checkpoint_attempt,
+       preemptible, grace_seconds, max_preemptions, preemptions, preempt_at
 FROM gpuq.jobs WHERE id = $1;
 
 -- name: job_attempts

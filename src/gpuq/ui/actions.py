@@ -49,6 +49,18 @@ async def cancel(pool: Any, query: dict[str, str]) -> Outcome:
     return DONE
 
 
+async def preempt(pool: Any, query: dict[str, str]) -> Outcome:
+    """``gpuq preempt ID``: 409 if the job is not asked (not running, not preemptible, no preemptions
+    left, or asked within its grace time)."""
+    job_id = params.job_id(query.get("id", ""))
+    asked = await admin.preempt(pool, job_id)
+    log.info("ui.action", action="preempt", job_id=job_id, preempted=bool(asked))
+    if not asked:
+        return HTTPStatus.CONFLICT, (f"job {job_id} is not preempted (not running, not preemptible, no "
+                                     "preemptions left, or asked already)\n")
+    return DONE
+
+
 async def retry(pool: Any, query: dict[str, str]) -> Outcome:
     """``gpuq retry``: one job (``id``) or every dead or cancelled job a list's filters match."""
     which = params.retry_filter(query)
@@ -147,6 +159,7 @@ async def clear_device(pool: Any, query: dict[str, str]) -> Outcome:
 
 ACTIONS: dict[str, Callable[[Any, dict[str, str]], Awaitable[Outcome]]] = {
     "/ui/kinds/pause": pause, "/ui/kinds/resume": resume, "/ui/jobs/cancel": cancel, "/ui/jobs/retry": retry,
+    "/ui/jobs/preempt": preempt,
     "/ui/schedules/add": add_schedule, "/ui/schedules/remove": remove_schedule,
     "/ui/limits/set": set_limit, "/ui/timeouts/set": set_timeout,
     "/ui/batching/set": set_batching, "/ui/batching/remove": remove_batching,
