@@ -55,7 +55,7 @@ def _columns(jobs: Sequence[NewJob], trace: TraceContext | None) -> tuple[list[A
         [j.concurrency_key for j in jobs])
     batching = (None, None) if not any(j.cost is not None or j.batch_key is not None for j in jobs) else (
         [j.cost for j in jobs], [j.batch_key for j in jobs])
-    # The default tenant is stored as NULL: its jobs have no entry in jobs_tenant_pending_idx.
+    # The default tenant is stored as NULL (one spelling: reads and charges coalesce them).
     tenants = [None if j.tenant == DEFAULT_TENANT else j.tenant for j in jobs]
     return (*plain, *placed, *batching, tenants if any(tenants) else None, *(trace or (None, None)), *NewJob.yields(jobs))
 

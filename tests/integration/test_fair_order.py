@@ -256,3 +256,21 @@ async def test_two_servers_share_by_weight_from_the_state_in_the_database(dsn, p
         await wait_for(lambda: len(ran) >= 120, timeout=20)
     first = Counter(ran[:120])
     assert 80 <= first["a"] <= 100, first  # 90 : 30 at 3 : 1
+
+
+async def test_a_flood_is_not_walked_to_lease_another_tenant_s_next_job(conn):
+    """a has 20,000 pending jobs of the kind and of the shape, b one of each: b's lease descends
+    to b's entries of the fair indexes, never through a's (jobs_pending_idx or jobs_placed_idx
+    filtered by tenant would read the flood)."""
+    await conn.execute("INSERT INTO gpuq.jobs (kind, tenant) SELECT 'train', 'a' FROM generate_series(1, 20000)")
+    await queue.enqueue_many(conn, [NewJob("train", tenant="a", gpus=1) for _ in range(2000)])
+    await queue.enqueue_many(conn, [NewJob("train", tenant="b"), NewJob("train", tenant="b", gpus=1)])
+    (shape,) = await queue.read_shapes(conn)
+    await conn.execute("ANALYZE gpuq.jobs")
+    for name, args in (("lease_fair", (["train"], ["b"], ["a#1"], 30)),
+                       ("lease_placed_fair", (shape.kind, shape.digest, ["b"], ["a#1"], 30))):
+        plan = await plans.explain(conn, queries[name], *args)
+        used = plans.plan_indexes(plan)
+        assert used & {"jobs_fair_idx", "jobs_fair_placed_idx"} and not used & {"jobs_pending_idx", "jobs_placed_idx"}, \
+            (name, used)
+        assert plans.plan_buffers(plan) < 60, (name, plans.plan_buffers(plan))

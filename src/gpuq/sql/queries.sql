@@ -376,28 +376,29 @@ ON CONFLICT (id) DO UPDATE SET half_life_seconds = excluded.half_life_seconds;
 SELECT gpuq.half_life();
 
 -- name: tenant_usage
--- While fair share is on (else nothing): each tenant with a weight, usage or work, its weight (1 without a row), usage decayed to now plus its running jobs' GPU-seconds so far, running jobs, and pending jobs counted up to $1 (jobs_tenant_pending_idx probes; the default tenant's from the pending indexes). O(tenants with work + $1 a tenant), never history.
-WITH RECURSIVE fair AS (
+-- While fair share is on (else nothing): each tenant with a weight, usage or work, its weight (1 without a row), usage decayed to now plus its running jobs' GPU-seconds so far, running jobs, and pending jobs counted up to $1 (loose scans of jobs_fair_idx and jobs_fair_placed_idx, then a count of each kind and shape's up to $1). O(shapes + triples with work x $1), never history.
+WITH fair AS (
     SELECT EXISTS (SELECT 1 FROM gpuq.tenants) AS on_
-), named AS (  -- each named tenant with jobs pending, one descent each
-    (SELECT tenant FROM gpuq.jobs WHERE status = 'pending' AND tenant IS NOT NULL AND (SELECT on_ FROM fair)
-     ORDER BY tenant LIMIT 1)
+), triples AS (  -- each (kind, shape, tenant) with jobs pending (shape NULL: plain; tenant NULL: the default)
+    SELECT w.kind, NULL::text AS shape, w.tenant FROM gpuq.tenants_waiting() w WHERE (SELECT on_ FROM fair)
     UNION ALL
-    SELECT n.tenant FROM named t CROSS JOIN LATERAL (
-        SELECT j.tenant FROM gpuq.jobs j WHERE j.status = 'pending' AND j.tenant IS NOT NULL AND j.tenant > t.tenant
-        ORDER BY j.tenant LIMIT 1) AS n
-), waiting AS (  -- pending jobs per tenant, each count stopping at $1
-    SELECT t.tenant, (SELECT count(*) FROM (SELECT FROM gpuq.jobs j WHERE j.status = 'pending'
-                                            AND j.tenant IS NOT NULL AND j.tenant = t.tenant LIMIT $1) AS c) AS n
-    FROM named t
-    UNION ALL
-    SELECT 'default', (SELECT count(*) FROM (SELECT FROM gpuq.jobs j WHERE j.status = 'pending' AND j.shape IS NULL
-                                             AND j.tenant IS NULL LIMIT $1) AS c)
-    WHERE (SELECT on_ FROM fair)
-    UNION ALL
-    SELECT 'default', (SELECT count(*) FROM (SELECT FROM gpuq.jobs j WHERE j.status = 'pending' AND j.shape IS NOT NULL
-                                             AND j.tenant IS NULL LIMIT $1) AS c)
-    WHERE (SELECT on_ FROM fair)
+    SELECT w.kind, w.shape, w.tenant FROM gpuq.tenants_waiting_placed() w WHERE (SELECT on_ FROM fair)
+), waiting AS (  -- pending jobs per triple, each count stopping at $1
+    SELECT coalesce(t.tenant, 'default') AS tenant, CASE
+        WHEN t.shape IS NULL AND t.tenant IS NULL THEN (SELECT count(*) FROM (
+            SELECT FROM gpuq.jobs j WHERE j.status = 'pending' AND j.shape IS NULL AND j.kind = t.kind
+              AND j.tenant IS NULL ORDER BY j.tenant, -j.priority, j.id LIMIT $1) AS c)
+        WHEN t.shape IS NULL THEN (SELECT count(*) FROM (
+            SELECT FROM gpuq.jobs j WHERE j.status = 'pending' AND j.shape IS NULL AND j.kind = t.kind
+              AND j.tenant = t.tenant ORDER BY j.tenant, -j.priority, j.id LIMIT $1) AS c)
+        WHEN t.tenant IS NULL THEN (SELECT count(*) FROM (
+            SELECT FROM gpuq.jobs j WHERE j.status = 'pending' AND j.shape IS NOT NULL AND j.kind = t.kind
+              AND j.shape = t.shape AND j.tenant IS NULL ORDER BY j.tenant, -j.priority, j.id LIMIT $1) AS c)
+        ELSE (SELECT count(*) FROM (
+            SELECT FROM gpuq.jobs j WHERE j.status = 'pending' AND j.shape IS NOT NULL AND j.kind = t.kind
+              AND j.shape = t.shape AND j.tenant = t.tenant ORDER BY j.tenant, -j.priority, j.id LIMIT $1) AS c)
+    END AS n
+    FROM triples t
 ), running AS (  -- jobs leased now (jobs_leased_idx), charged so far
     SELECT coalesce(tenant, 'default') AS tenant, count(*) AS n,
            sum(gpuq.gpu_seconds(started_at, now(), gpus, batch_size)) AS gpu_seconds
