@@ -4,6 +4,7 @@ costs the database nothing whatever the backlog, and the gauges say how old they
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuq import admin, census, db
+from gpuq.dispatcher import Tuning
 from gpuq.harness import http_get, running_server
 from tests.helpers import seed_history, wait_for
 
@@ -34,7 +35,10 @@ async def test_a_scrape_reads_nothing_of_a_backlog_of_100k_and_its_history(dsn, 
     await live_conn.execute("ALTER TABLE gpuq.jobs SET (autovacuum_enabled = off)")  # its reads would count
     await admin.set_tenant(live_conn, "acme", 2)
     quiet = {"poll_seconds": 3600, "sweep_seconds": 3600, "metrics_sample_seconds": 3600}
-    async with running_server(f"{dsn}?application_name={SERVER}", **quiet) as srv:
+    # Fair share's own reads (the tenants with work: a loose scan that reads the first row of each)
+    # come once, at the start, not while the test counts.
+    no_fair_reads = Tuning(fair_share_seconds=3600, fair_waiting_seconds=3600)
+    async with running_server(f"{dsn}?application_name={SERVER}", tuning=no_fair_reads, **quiet) as srv:
         # The census read once before the server listened: the first scrape has every series.
         first = (await http_get(srv.http + "/metrics"))[2]
         assert _values(first, "gpuq_queue_depth") == {"pending": 0, "leased": 0, "scheduled": 0}
@@ -58,12 +62,13 @@ async def test_a_scrape_reads_nothing_of_a_backlog_of_100k_and_its_history(dsn, 
     # whatever the backlog. Of the indexes only what planning reads, independent of the backlog:
     # each of the server's backends reads each index's first pages as it first plans a statement
     # on gpuq.jobs (14-27 buffers an index measured, on an empty table as at 100,000 pending jobs,
-    # as its pool grew to more or fewer connections).
+    # as its pool grew to more or fewer connections; 41 a index with fair share's statements too).
+    # Reading the backlog's entries would be thousands.
     rows, indexes = await _jobs_blocks(live_conn)
     n_indexes = await live_conn.fetchval("SELECT count(*) FROM pg_indexes WHERE schemaname = 'gpuq' "
                                          "AND tablename = 'jobs'")
     assert rows - before[0] == 0
-    assert indexes - before[1] < 40 * n_indexes
+    assert indexes - before[1] < 60 * n_indexes
 
 
 async def test_the_gauges_follow_the_census_and_keep_their_last_values_while_it_fails(dsn, pool, monkeypatch):
