@@ -225,13 +225,16 @@ async def test_an_urgent_plain_job_preempts_a_lower_priority_one_for_its_slot(ds
         low = await gpuq.enqueue(pool, "work", {"low": True}, preemptible=True, grace_seconds=grace)
         with anyio.fail_after(10):
             await running.wait()
+        other = await gpuq.enqueue(pool, "work", {}, preemptible=True)  # pending: it could take the freed slot
         urgent = await gpuq.enqueue(pool, "work", {}, priority=10)
         await wait_status(pool, urgent, "done")
         waited = await pool.fetchval("SELECT extract(epoch FROM started_at - created_at) FROM gpuq.jobs WHERE id = $1",
                                      urgent)
         await wait_status(pool, low, "done")  # it ran again after the urgent one
+        await wait_status(pool, other, "done")
     row = await job(pool, low)
     assert (row["preemptions"], row["attempts"]) == (1, 1)  # back to pending, the attempt not counted
+    assert (await job(pool, other))["preemptions"] == 0  # the freed slot went to the urgent job
     assert waited <= grace + 1.0
 
 
@@ -253,3 +256,4 @@ async def test_a_plain_job_of_equal_priority_never_preempts(dsn, pool):
     asks = [e["priority"] for e in logged if e["event"] == "preempt.priority"]
     assert asks == [6]  # only for the higher-priority job, once
     assert (await job(pool, low))["preemptions"] == 1
+
