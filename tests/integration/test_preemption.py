@@ -257,3 +257,17 @@ async def test_a_plain_job_of_equal_priority_never_preempts(dsn, pool):
     assert asks == [6]  # only for the higher-priority job, once
     assert (await job(pool, low))["preemptions"] == 1
 
+
+
+async def test_a_plain_jobs_head_priority_is_one_probe_of_jobs_pending_idx_not_the_history(conn):
+    from gpuq import plans
+    from gpuq.sql import queries
+
+    await conn.execute("INSERT INTO gpuq.jobs (kind, status, priority, finished_at) "
+                       "SELECT 'hist', 'done', 100, now() FROM generate_series(1, 3000)")
+    await conn.execute("INSERT INTO gpuq.jobs (kind, priority) SELECT 'hist', i % 7 FROM generate_series(1, 200) i")
+    await conn.execute("ANALYZE gpuq.jobs")
+    assert await conn.fetchval(queries["plain_head_priority"], "hist") == 6
+    plan = await plans.explain_warm(conn, queries["plain_head_priority"], "hist")
+    assert "jobs_pending_idx" in plans.plan_indexes(plan)
+    assert plans.plan_buffers(plan) < 20
