@@ -166,7 +166,7 @@ SETTINGS: tuple[Setting, ...] = (
             "one that must load it (0: never waits); set it near your models' load time",
             {SERVE: "--warm-wait"}),
     Setting("preempt_min_run_seconds", "GPUQ_PREEMPT_MIN_RUN", 60.0, parse_duration,
-            "a GPU job that finds no free devices may preempt lower-priority preemptible jobs that ran at "
+            "a job that finds no free devices (or slot) may preempt lower-priority preemptible jobs that ran at "
             "least this long", {SERVE: "--preempt-min-run"}),
     Setting("quarantine_faults", "GPUQ_QUARANTINE_FAULTS", 3, parse_int,
             "a GPU whose jobs raise DeviceError this many times within GPUQ_QUARANTINE_WINDOW is "

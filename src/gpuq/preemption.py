@@ -14,6 +14,9 @@ rules:
   are not victims: they never started);
 - **never more victims than needed**: the fewest victims, then the lowest
   priorities, then the least work lost (the shortest run);
+- a plain job (no devices) needs one slot of an agent's credit (``Box.slots``):
+  one victim among the agent's jobs without devices frees it; one held ready
+  there is blocked by its running ones (``for_ready_slot``);
 - while earlier victims are still yielding (asked within their grace time),
   the devices they free count as freed already: no new victim until then;
 - a job the dispatcher pushed to wait ready for busy devices (prefetch) is
@@ -50,6 +53,7 @@ class Box:
     id: str
     devices: tuple[int, ...]  # the indices with enough memory for the blocked job
     held: tuple[Held, ...]
+    slots: int = 0  # plain jobs' free credit: a plain blocked job's room (it needs one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +61,7 @@ class Blocked:
     """The highest-priority waiting job of a shape no agent has room for."""
 
     priority: int
-    gpus: int
+    gpus: int  # 0: a plain job (one slot of an agent's credit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,11 +84,9 @@ def choose(blocked: Blocked, boxes: Iterable[Box], min_run_seconds: float) -> Ch
     blocked job there (a choice with no victim: it has room, or victims asked earlier free one
     already, ``waiting``, or ready jobs given back do); None when no agent can be freed under the
     rules."""
-    if blocked.gpus < 1:
-        return None  # plain slots: not preempted by priority (their freed credit may go to any job)
     best: tuple[tuple[int, int, float], Choice] | None = None
     for box in boxes:
-        choice = _on_box(blocked, box, min_run_seconds)
+        choice = (_on_box if blocked.gpus else _on_slots)(blocked, box, min_run_seconds)
         if choice is None:
             continue
         victims = [h for h in box.held if h.id in choice.victims]
@@ -120,6 +122,36 @@ def _on_box(blocked: Blocked, box: Box, min_run_seconds: float) -> Choice | None
             waiting = any(h.yielding for d in freed for h in on[d])
             return Choice(box.id, tuple(sorted(chosen)), tuple(released), waiting and not chosen)
     return None
+
+
+def _on_slots(blocked: Blocked, box: Box, min_run_seconds: float) -> Choice | None:
+    """A plain job needs one slot of the agent's credit (its jobs without devices): room when one is
+    free; else a job asked earlier frees one already (``waiting``: no new victim); else a ready job
+    that may go is given back (it never started: no cost); else the one running victim of the lowest
+    priority (then the shortest run). None when none may go."""
+    if box.slots > 0:
+        return Choice(box.id)
+    plain = [h for h in box.held if not h.devices]
+    if any(h.yielding for h in plain):
+        return Choice(box.id, waiting=True)
+    may_go = sorted((h for h in plain if _may_go(h, blocked, min_run_seconds)),
+                    key=lambda h: (h.started, h.priority, h.ran_seconds, h.id))
+    if not may_go:
+        return None
+    first = may_go[0]
+    return Choice(box.id, released=(first.id,)) if not first.started else Choice(box.id, victims=(first.id,))
+
+
+def for_ready_slot(box: Box, min_run_seconds: float) -> Choice | None:
+    """Plain jobs held ready while the agent's running jobs take its capacity: the highest-priority
+    one is blocked there, and one running job without devices may yield for it under the same
+    rules (it starts as that one stops); None when none may go, or one yields already."""
+    waiting = [h for h in box.held if not h.devices and not h.started]
+    if not waiting:
+        return None
+    running = Box(box.id, (), tuple(h for h in box.held if h.started and not h.devices))
+    choice = _on_slots(Blocked(max(h.priority for h in waiting), 0), running, min_run_seconds)
+    return choice if choice is not None and choice.victims else None
 
 
 def for_ready(box: Box, min_run_seconds: float) -> list[int]:

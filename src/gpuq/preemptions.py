@@ -1,4 +1,4 @@
-"""The preemption statements' Python face (``preempted_many``, ``placed_head_priority``,
+"""The preemption statements' Python face (``preempted_many``, ``placed_head_priority``, ``plain_head_priority``,
 ``held_preemption`` in ``sql/queries.sql``; the ask itself is ``admin.preempt``).
 
 A job that yielded goes back like any job moved back (``queue.move_and_notify``: the dispatchers
@@ -27,6 +27,11 @@ async def preempted_many(db: DB, jobs: Sequence[tuple[int, str]]) -> Moved:
 async def head_priority(db: DB, shape: Shape) -> int | None:
     """The priority of the shape's next pending job that is due (None: none)."""
     return await db.fetchval(queries["placed_head_priority"], shape.kind, shape.digest)
+
+
+async def plain_head_priority(db: DB, kind: str) -> int | None:
+    """The priority of the kind's next pending plain job (None: none, or the kind is paused)."""
+    return await db.fetchval(queries["plain_head_priority"], kind)
 
 
 async def held(db: DB, ids: Sequence[int]) -> list[Any]:

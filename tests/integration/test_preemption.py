@@ -197,3 +197,77 @@ async def test_past_max_preemptions_a_yield_counts_the_attempt_so_spot_interrupt
     assert (dead["status"], dead["attempts"], dead["preemptions"]) == ("dead", 1, 1)
     assert "max_preemptions" in dead["last_error"]
     assert again["attempts"] == 1 and again["preemptions"] == 1 and again["status"] in ("pending", "leased")
+
+
+def _yields_once(running: anyio.Event):
+    """A handler whose first run waits until preempted, then yields; later runs return at once."""
+    runs: list[int] = []
+
+    async def handle(job):
+        if job.payload.get("low") and not runs:
+            runs.append(job.id)
+            asked = asyncio.Event()
+            on_preempt(job, asked.set)
+            running.set()
+            await asked.wait()
+            raise JobPreempted("yielded")
+        return "done"
+
+    return handle
+
+
+@pytest.mark.parametrize("prefetch", [1, 0])  # pushed to wait ready behind it, or left pending
+async def test_an_urgent_plain_job_preempts_a_lower_priority_one_for_its_slot(dsn, pool, prefetch):
+    grace = 5.0
+    running = anyio.Event()
+    async with running_server(dsn, poll_seconds=60, preempt_min_run_seconds=0) as srv:
+        await srv.agent(["work"], 1, _yields_once(running), prefetch=prefetch)
+        low = await gpuq.enqueue(pool, "work", {"low": True}, preemptible=True, grace_seconds=grace)
+        with anyio.fail_after(10):
+            await running.wait()
+        other = await gpuq.enqueue(pool, "work", {}, preemptible=True)  # pending: it could take the freed slot
+        urgent = await gpuq.enqueue(pool, "work", {}, priority=10)
+        await wait_status(pool, urgent, "done")
+        waited = await pool.fetchval("SELECT extract(epoch FROM started_at - created_at) FROM gpuq.jobs WHERE id = $1",
+                                     urgent)
+        await wait_status(pool, low, "done")  # it ran again after the urgent one
+        await wait_status(pool, other, "done")
+    row = await job(pool, low)
+    assert (row["preemptions"], row["attempts"]) == (1, 1)  # back to pending, the attempt not counted
+    assert (await job(pool, other))["preemptions"] == 0  # the freed slot went to the urgent job
+    assert waited <= grace + 1.0
+
+
+async def test_a_plain_job_of_equal_priority_never_preempts(dsn, pool):
+    from structlog.testing import capture_logs
+
+    running = anyio.Event()
+    async with running_server(dsn, poll_seconds=60, preempt_min_run_seconds=0) as srv:
+        await srv.agent(["a", "b"], 1, _yields_once(running), prefetch=0)  # the equal job stays pending
+        low = await gpuq.enqueue(pool, "b", {"low": True}, preemptible=True, priority=5)
+        with anyio.fail_after(10):
+            await running.wait()
+        with capture_logs() as logged:
+            equal = await gpuq.enqueue(pool, "a", {}, priority=5)  # kind a: looked at before b in one look
+            urgent = await gpuq.enqueue(pool, "b", {}, priority=6)
+            await wait_status(pool, urgent, "done")
+        await wait_status(pool, equal, "done")
+        await wait_status(pool, low, "done")
+    asks = [e["priority"] for e in logged if e["event"] == "preempt.priority"]
+    assert asks == [6]  # only for the higher-priority job, once
+    assert (await job(pool, low))["preemptions"] == 1
+
+
+
+async def test_a_plain_jobs_head_priority_is_one_probe_of_jobs_pending_idx_not_the_history(conn):
+    from gpuq import plans
+    from gpuq.sql import queries
+
+    await conn.execute("INSERT INTO gpuq.jobs (kind, status, priority, finished_at) "
+                       "SELECT 'hist', 'done', 100, now() FROM generate_series(1, 3000)")
+    await conn.execute("INSERT INTO gpuq.jobs (kind, priority) SELECT 'hist', i % 7 FROM generate_series(1, 200) i")
+    await conn.execute("ANALYZE gpuq.jobs")
+    assert await conn.fetchval(queries["plain_head_priority"], "hist") == 6
+    plan = await plans.explain_warm(conn, queries["plain_head_priority"], "hist")
+    assert "jobs_pending_idx" in plans.plan_indexes(plan)
+    assert plans.plan_buffers(plan) < 20

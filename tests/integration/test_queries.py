@@ -24,7 +24,7 @@ NAMES = {
     "complete_many_charged", "fail_many_charged", "tenant_set", "tenant_weights", "half_life_set", "half_life",
     "tenant_usage", "device_fault", "quarantine_set", "quarantine_clear", "quarantined", "quarantined_of",
     "failed_devices", "move_leases", "record_checkpoints",
-    "preempted_many", "preempt", "placed_head_priority", "held_preemption",
+    "preempted_many", "preempt", "placed_head_priority", "plain_head_priority", "held_preemption",
     "lease_fair", "lease_placed_fair", "fair_state", "fair_waiting", "tenant_lift",
 }
 MULTI_STATEMENT = {"migrations_bootstrap", "plan_guards"}  # run as a simple query, never prepared

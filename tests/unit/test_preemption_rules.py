@@ -50,8 +50,21 @@ def test_a_ready_job_on_the_freed_device_is_given_back_and_a_non_preemptible_one
     assert choose(URGENT, [blocked], 0) is None
 
 
-def test_plain_jobs_are_not_preempted_by_priority():
-    assert choose(Blocked(10, 0), [Box("a", (), (run(1, []),))], 0) is None
+def test_a_plain_job_on_full_agents_asks_one_lowest_priority_victim_for_a_slot():
+    plain = Blocked(10, 0)
+    full = Box("a", (), (run(1, [], priority=5), run(2, [], priority=1), run(3, [0], priority=0)))
+    assert choose(plain, [full], 0) == Choice("a", (2,))  # one victim, the lowest priority without devices
+    assert choose(plain, [full, Box("b", (), (), slots=1)], 0) == Choice("b")  # room elsewhere: none asked
+    assert choose(plain, [Box("a", (), (run(1, []), ready(2, [])))], 0) == Choice("a", released=(2,))
+
+
+def test_a_plain_job_never_preempts_equal_or_higher_priority_nor_again_while_one_yields():
+    plain = Blocked(10, 0)
+    for held in (run(1, [], priority=10), run(1, [], priority=11), run(1, [], preemptible=False),
+                 run(1, [], ran=5.0)):
+        assert choose(plain, [Box("a", (), (held,))], 60) is None
+    asked = Box("a", (), (run(1, [], yielding=True), run(2, [])))
+    assert choose(plain, [asked], 0) == Choice("a", waiting=True)  # its slot is freed already
 
 
 def test_a_job_waiting_ready_on_busy_devices_preempts_what_runs_there_under_the_same_rules():
@@ -64,3 +77,13 @@ def test_a_job_waiting_ready_on_busy_devices_preempts_what_runs_there_under_the_
     assert for_ready(Box("a", (0,), (run(1, [0], yielding=True), urgent_ready)), 60) == []  # asked already
     low_ready = Held(8, (0,), False, True, 0, 0.0)
     assert for_ready(Box("a", (0,), (run(1, [0]), low_ready)), 60) == []  # of no higher priority
+
+
+def test_a_plain_job_held_ready_behind_a_lower_priority_running_one_asks_it_to_yield():
+    from gpuq.preemption import for_ready_slot
+
+    urgent_ready = Held(9, (), False, False, 10, 0.0)
+    assert for_ready_slot(Box("a", (), (run(1, [], priority=1), urgent_ready)), 0) == Choice("a", (1,))
+    assert for_ready_slot(Box("a", (), (run(1, [], priority=10), urgent_ready)), 0) is None  # equal: never
+    assert for_ready_slot(Box("a", (), (run(1, [], yielding=True), run(2, []), urgent_ready)), 0) is None
+    assert for_ready_slot(Box("a", (), (run(1, []),)), 0) is None  # nothing waits ready

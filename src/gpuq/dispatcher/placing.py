@@ -15,7 +15,8 @@ It owns what placement needs between passes:
   jobs); when the shape's next partial batch may go (``wait_left``). A limited
   kind's or key's jobs go one by one;
 - preemption (``Preempting``): after the shapes, a GPU shape with no room
-  may preempt lower-priority preemptible jobs here (it reserves their agent).
+  may preempt lower-priority preemptible jobs here (it reserves their agent),
+  and so may a plain job whose agents here are full.
 
 While fair share is on (``FairShare``), a shape's single jobs lease in its
 order (each slot to the tenant with the least usage per weight), and the
@@ -63,7 +64,7 @@ class Placing:
         self._reserve_at = 0.0
         self._warm_wait_ends: dict[ShapeKey, float] = {}  # shape -> when a cold agent may take its next job
         self._batch_due: dict[ShapeKey, float] = {}  # batched shape -> when its next partial batch may go
-        self.preempting = Preempting(pool, config, tuning)  # GPU shapes with no room may preempt
+        self.preempting = Preempting(pool, config, tuning)  # GPU shapes with no room, plain jobs with no slot, may preempt
 
     # -- a pass ------------------------------------------------------------
 

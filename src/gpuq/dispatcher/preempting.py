@@ -1,5 +1,6 @@
-"""Preempting: a GPU shape whose next job finds no room on this server's agents may preempt
-lower-priority preemptible jobs running there. It asks, never delivers.
+"""Preempting: a GPU shape whose next job finds no room on this server's agents, or a kind whose
+next plain job finds no free credit on them, may preempt lower-priority preemptible jobs running
+there. It asks, never delivers.
 
 It owns what the look needs between passes:
 - when it last looked (at most every ``Tuning.preempt_check_seconds``), and
@@ -12,7 +13,11 @@ It owns what the look needs between passes:
 The choice itself is ``gpuq.preemption.choose``, a pure function over the
 fleet's view (``Box``: each agent that could run the shape, its fitting
 devices and the jobs it holds, with what the database says of them) and the
-blocked job (the shape's next job's priority). The ask is ``gpuq.preempt``, as
+blocked job (the shape's next job's priority; a plain job's: the head of
+jobs_pending_idx for its kind, one index probe, read only while every agent
+taking the kind is full and one of them holds a preemptible job). A plain
+victim's freed credit goes to the urgent job: group leases, in priority order,
+come before the placed ones in a pass. The ask is ``gpuq.preempt``, as
 ``gpuq preempt`` asks, and the victims' agents, this server's, are told at once.
 """
 
@@ -39,19 +44,22 @@ class Preempting:
         self._owed = False  # a pass came within the interval: look at its end
         self._eligible_at: float | None = None  # when a job blocking another has run long enough to yield
         self._mine: dict[str, ShapeKey] = {}  # agent id -> the blocked shape this part reserved it for
+        self._full = False  # at the last look, a kind's agents were full with a preemptible job: look again
 
     def wait_left(self) -> float | None:
         """Seconds until a look is owed (None: none): one a pass came too early for, or one when a
         job that would be a victim has run long enough."""
         now = time.monotonic()
-        waits = [self._looked_at + self.tuning.preempt_check_seconds - now] if self._owed else []
+        due = self._owed or self._full  # full agents: a plain job inserted meanwhile may not notify (no room, no mark)
+        waits = [self._looked_at + self.tuning.preempt_check_seconds - now] if due else []
         if self._eligible_at is not None:
             waits.append(self._eligible_at - now)
         return max(0.0, min(waits)) if waits else None
 
     async def look(self, shapes: Mapping[ShapeKey, Shape], agents: Sessions, reserved: dict[str, ShapeKey]) -> None:
         """For each preemption-minded GPU shape with no room on any agent here: ask victims to yield,
-        and keep their agent for the shape (``reserved``)."""
+        and keep their agent for the shape (``reserved``); for each kind whose agents here are all full
+        while one holds a preemptible job: one victim for its next plain job, if of a higher priority."""
         self._forget_ended(reserved)
         if not any(s.preemptible for s in shapes.values()):
             return  # no preemptible job was ever enqueued: nothing to preempt
@@ -61,19 +69,25 @@ class Preempting:
                    and not placement.slots(shape, agents, 1, reserved, ready=True)
                    and any(placement.could_run(shape, a) for a in agents)]
         waiting = [s for s in agents if s.protocol.ledger.unstarted() and s.protocol.ledger.devices_in_use]
-        if not (blocked or waiting) or not any(s.protocol.ledger.devices_in_use for s in agents):
-            self._eligible_at = None
-            return  # no GPU job waits for devices here
+        gpu = bool(blocked or waiting) and any(s.protocol.ledger.devices_in_use for s in agents)
+        full, ready = _full_kinds(agents), _ready_behind_preemptible(agents)
+        if not (gpu or full or ready):
+            self._eligible_at, self._full = None, False
+            return  # no GPU job waits for devices here, no plain job can be blocked by a preemptible one
         now = time.monotonic()
         if now - self._looked_at < self.tuning.preempt_check_seconds:
             self._owed = True
             return
-        self._looked_at, self._owed = now, False
+        self._looked_at, self._owed, self._full = now, False, bool(full or ready)
         views = await self._held(agents)
-        for session in waiting:
+        for session in waiting if gpu else ():
             await self._for_ready(session, views, agents)
-        for key, shape in blocked:
+        for key, shape in blocked if gpu else ():
             await self._for_shape(key, shape, agents, views, reserved)
+        for kind in sorted(full):
+            await self._for_kind(kind, agents, views)
+        for session in ready:
+            await self._for_ready_slot(session, views, agents)
         # A job too young to be a victim now may be one later: look again then (for any priority above it).
         held = [h for session in agents for h in _box(session, None, views).held]
         young = preemption.eligible_in(held, preemption.Blocked(2**31, 0), self.config.preempt_min_run_seconds)
@@ -104,6 +118,29 @@ class Preempting:
             log.info("preempt.priority", agent=choice.agent, kind=shape.kind, gpus=shape.gpus, priority=priority,
                      victims=list(choice.victims), released=list(choice.released), asked=sorted(asked))
 
+    async def _for_kind(self, kind: str, agents: Sessions, views: dict[int, preemption.Held]) -> None:
+        """The kind's next plain job, when its priority is above a preemptible job's on a full agent
+        taking the kind: one victim yields its slot (or a ready one is given back)."""
+        priority = await preemptions.plain_head_priority(self.pool, kind)
+        if priority is None:
+            return
+        boxes = [_slots_box(s, views) for s in agents if kind in s.kinds and not s.draining]
+        choice = preemption.choose(preemption.Blocked(priority, 0), boxes, self.config.preempt_min_run_seconds)
+        if choice is None or not choice.ids:
+            return
+        asked = await self._ask(choice.ids, agents)
+        log.info("preempt.priority", agent=choice.agent, kind=kind, gpus=0, priority=priority,
+                 victims=list(choice.victims), released=list(choice.released), asked=sorted(asked))
+
+    async def _for_ready_slot(self, session: AgentSession, views: dict[int, preemption.Held], agents: Sessions) -> None:
+        """Plain jobs held ready on this agent behind its running ones: one of those may have to yield."""
+        box = _slots_box(session, views)
+        if choice := preemption.for_ready_slot(box, self.config.preempt_min_run_seconds):
+            asked = await self._ask(choice.ids, agents)
+            priority = max(h.priority for h in box.held if not h.started)
+            log.info("preempt.priority", agent=session.id, gpus=0, priority=priority, victims=list(choice.victims),
+                     asked=sorted(asked), reason="a higher-priority plain job waits ready for a slot")
+
     async def _ask(self, ids: list[int], agents: Sessions) -> dict[int, float]:
         """``gpuq.preempt`` them, and tell their agents at once (they are this server's: the NOTIFY that
         follows finds them asked already, and a server that only polls gets none)."""
@@ -113,8 +150,11 @@ class Preempting:
         return asked
 
     async def _held(self, agents: Sessions) -> dict[int, preemption.Held]:
-        """Every job with devices held by this server's agents, as preemption sees it."""
-        rows = await preemptions.held(self.pool, [i for s in agents for i in s.protocol.ledger.devices_in_use])
+        """Every job with devices, every preemptible one and every one held ready, held by this
+        server's agents, as preemption sees it."""
+        ids = {i for s in agents
+               for i in (*s.protocol.ledger.devices_in_use, *s.protocol.ledger.preemptible, *s.protocol.ledger.unstarted())}
+        rows = await preemptions.held(self.pool, sorted(ids))
         return {r["id"]: preemption.Held(r["id"], (), False, r["preemptible"], r["priority"],
                                          r["ran_seconds"] or 0.0, r["yielding"]) for r in rows}
 
@@ -145,3 +185,41 @@ def _box(session: AgentSession, shape: Shape | None, views: dict[int, preemption
         held.append(preemption.Held(job_id, devices, job_id in started, seen.preemptible, seen.priority,
                                     seen.ran_seconds, seen.yielding))
     return preemption.Box(session.id, fitting, tuple(held))
+
+
+def _full_kinds(agents: Sessions) -> set[str]:
+    """Kinds whose agents here have no free credit while one of them holds a preemptible job without
+    devices: a plain job of theirs may be blocked by it (the ledgers only: no database read)."""
+    taking = [s for s in agents if not s.draining]
+    open_kinds = {k for s in taking if s.free for k in s.kinds}
+    held = {k for s in taking for k in s.kinds
+            if any(i not in s.protocol.ledger.devices_in_use for i in s.protocol.ledger.preemptible)}
+    return held - open_kinds
+
+
+def _ready_behind_preemptible(agents: Sessions) -> list[AgentSession]:
+    """Agents holding a plain job ready while a preemptible job without devices runs there: the
+    ready one may be of a higher priority (the ledgers only)."""
+    out = []
+    for s in agents:
+        ledger = s.protocol.ledger
+        plain = [i for i in ledger.held if i not in ledger.devices_in_use]
+        started = set(ledger.started_ids())
+        if any(i not in started for i in plain) and any(i in started and i in ledger.preemptible for i in plain):
+            out.append(s)
+    return out
+
+
+def _slots_box(session: AgentSession, views: dict[int, preemption.Held]) -> preemption.Box:
+    """The agent as a plain job's preemption sees it: its free credit and the jobs it holds without
+    devices (what the database did not say of one: not preemptible)."""
+    ledger = session.protocol.ledger
+    started = set(ledger.started_ids())
+    held = []
+    for job_id in ledger.held:
+        if job_id in ledger.devices_in_use:
+            continue
+        seen = views.get(job_id) or preemption.Held(job_id, (), False)
+        held.append(preemption.Held(job_id, (), job_id in started, seen.preemptible, seen.priority,
+                                    seen.ran_seconds, seen.yielding))
+    return preemption.Box(session.id, (), tuple(held), slots=session.free)

@@ -38,7 +38,7 @@ FAIR_PROBES_DEFAULT = 8
 FAIR_WAITING_SECONDS_DEFAULT = 0.05
 # How often it asks how long each multi-GPU shape's next job has waited (for reservations).
 RESERVE_CHECK_SECONDS_DEFAULT = 1.0
-# How often, at most, it looks for preemptible jobs to preempt for GPU shapes that found no room.
+# How often, at most, it looks for preemptible jobs to preempt for GPU shapes that found no room (or plain jobs no slot).
 PREEMPT_CHECK_SECONDS_DEFAULT = 0.25
 # Placement across servers (gpuq.fleet_agents, dispatcher/roster.py): how often a server marks
 # its agents' rows seen; after how long without that another server's rows stop counting (and

@@ -58,6 +58,7 @@ class Ledger:
         self.held: dict[int, tuple[str, str]] = {}  # job id -> (lease token, kind)
         self.devices_in_use: dict[int, tuple[int, ...]] = {}  # job id -> the devices it was pushed with
         self.started: set[int] = set()  # version 5: held jobs the agent said it started
+        self.preemptible: set[int] = set()  # version 9: held jobs pushed with grace_seconds (they may be asked to yield)
         self.started_at: dict[int, float] = {}  # version 5: when the started came (the clock of receive)
         self.held_models: dict[int, str] = {}  # job id -> the model it named (placed jobs that name one)
         self.batch = 0  # version 7: the most jobs one batch may hold (0: no batches)
@@ -207,6 +208,7 @@ class Ledger:
         had_devices = self.devices_in_use.pop(job_id, None) is not None
         self.held_models.pop(job_id, None)
         self.started.discard(job_id)
+        self.preemptible.discard(job_id)
         self.started_at.pop(job_id, None)
         number = self.batch_of.pop(job_id, None)
         if number is None:

@@ -347,6 +347,8 @@ class ServerProtocol:
                                       getattr(j, "resume_json", None) if resumes else None,
                                       getattr(j, "grace_seconds", None) if yielding else None)
                           for j in unit)
+            if yielding:  # what preemption may ask to yield (a plain slot's victims: Preempting)
+                self.ledger.preemptible.update(j.id for j in unit if getattr(j, "grace_seconds", None) is not None)
         if pushed:
             self._out.append(jobs_frame(pushed))
         return refused

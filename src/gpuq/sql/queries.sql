@@ -535,6 +535,13 @@ SELECT priority FROM gpuq.jobs
 WHERE status = 'pending' AND shape IS NOT NULL AND kind = $1 AND shape = $2 AND run_at <= now()
 ORDER BY priority DESC, id LIMIT 1;
 
+-- name: plain_head_priority
+-- The priority of kind $1's next pending plain job, unless the kind is paused (jobs_pending_idx: its first entry; no row: none pending).
+SELECT priority FROM gpuq.jobs
+WHERE status = 'pending' AND shape IS NULL AND kind = $1
+  AND NOT EXISTS (SELECT 1 FROM gpuq.paused_kinds p WHERE p.kind = $1)
+ORDER BY kind, -priority, id LIMIT 1;
+
 -- name: held_preemption
 -- Of the leased jobs $1 (held by this server's agents), how preemption sees each: preemptible, priority, seconds run, and whether it was asked to yield within its grace time.
 SELECT id, preemptible, priority, extract(epoch FROM now() - started_at)::float8 AS ran_seconds,
