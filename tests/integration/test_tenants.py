@@ -252,6 +252,18 @@ async def test_the_completer_charges_the_run_time_the_agent_told_not_the_lease_s
     assert completer.ran == {}  # forgotten once written
 
 
+async def test_a_refused_outcome_s_run_time_is_forgotten_too(pool):
+    """PostgreSQL refuses a result with U+0000 (the completer then writes one by one and refuses
+    that one): its run time goes with it, not kept for the server's life."""
+    completer = Completer(pool, JobBackoff(), charging=lambda: True)
+    agent = _Agent()
+    await admin.set_tenant(pool, "acme", 1)
+    bad, token = await _running(pool, "acme", 10)
+    completer.submit(agent, [(Done(bad, token, {"text": "nul\u0000"}), "train")], {bad: 2.0})
+    await completer.flush()
+    assert agent.acks[-1] == ((), (bad,)) and completer.ran == {}
+
+
 async def test_the_sweeper_and_a_disconnect_charge_only_while_fair_share_is_on(conn):
     for on in (False, True):
         await conn.execute("DELETE FROM gpuq.jobs")

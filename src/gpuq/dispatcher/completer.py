@@ -153,6 +153,7 @@ class Completer(Writer):
         except asyncpg.DataError as exc:
             pending.remove(item)
             session, msg, _kind = item
+            self.ran.pop(msg.id, None)  # never written: its run time goes with it
             log.error("job.outcome_refused", job_id=msg.id, agent=session.id, error=str(exc))
             metrics.RESULTS_REJECTED.inc()
             session.send_ack((), (msg.id,))
