@@ -20,15 +20,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from gpuq import admin, fairlease, logs
+from gpuq import admin, fairlease
 from gpuq.dispatcher.fairorder import Key, Ledger
 from gpuq.dispatcher.trigger import Pass
 from gpuq.dispatcher.tuning import Tuning
 from gpuq.fairlease import Leased
 from gpuq.jobs import LeasedJob, Shape
 from gpuq.sql import queries
-
-log = logs.get("dispatcher")
 
 
 class FairShare:
