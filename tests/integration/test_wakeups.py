@@ -85,6 +85,17 @@ async def test_floors_of_gone_dispatchers_are_cleared(live_conn):
         ("a", 1), ("b", -2)]
 
 
+async def test_the_writers_are_read_with_a_kept_plan_and_one_copy_of_the_lock_table(live_conn):
+    """``jobs_writers`` runs up to every 10 ms while jobs arrive: as PL/pgSQL its plan is kept for the
+    session (a SQL function's was made again at every call), and pg_locks, which copies the whole
+    lock table at each read, is read once (migration 0024)."""
+    lang, body = await live_conn.fetchrow(
+        "SELECT l.lanname, p.prosrc FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang "
+        "WHERE p.oid = 'gpuq.jobs_writers'::regproc")
+    assert lang == "plpgsql"
+    assert body.lower().count("pg_locks") == 1
+
+
 async def test_arming_names_the_writers_of_jobs_still_open(dsn, live_conn):
     producer = await db.connect(dsn)
     try:
