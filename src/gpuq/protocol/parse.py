@@ -322,7 +322,7 @@ def parse_server_slow(frame: str | bytes) -> m.ServerMessage:
                     or not 0 <= seconds <= MAX_PREEMPT_SECONDS:
                 raise ValueError(f"preempt.deadline_seconds must be a number 0-{MAX_PREEMPT_SECONDS:g}")
             return m.Preempt(tuple(job_id(i) for i in ids), float(seconds))
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(1e400), float(10**400)
         raise ProtocolError(BAD_MESSAGE, f"malformed {kind} message from the server: {exc}") from None
     raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r} from the server")
 
