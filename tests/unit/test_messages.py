@@ -87,3 +87,15 @@ def test_job_message_splices_the_payload_text_into_a_valid_job(job_id, token, ki
     frame = protocol.jobs_frame([protocol.job_message(job_id, token, kind, payload_json, attempt)] * 2)
     parsed = protocol.parse_server(frame)
     assert parsed.jobs == (protocol.JobMessage(job_id, token, kind, payload, attempt),) * 2
+
+
+@pytest.mark.parametrize("frame", [
+    '{"type":"welcome","agent_id":"a#1","lease_seconds":30,"heartbeat_seconds":10,"max_payload":1e400,"protocol":9}',
+    '{"type":"welcome","agent_id":"a#1","lease_seconds":1' + "0" * 400 + ',"heartbeat_seconds":10,"max_payload":1,'
+    '"protocol":9}',
+    protocol.jobs_frame([protocol.job_message(1, TOKEN, "k", "null", 1)]).replace('"attempt":1', '"attempt":1,"timeout":1' + "0" * 400),
+])
+def test_a_server_frame_with_a_number_out_of_range_is_malformed_not_a_crash(frame):
+    """``int(inf)`` and ``float(10**400)`` raise OverflowError: the agent's run() would end on it."""
+    with pytest.raises(protocol.ProtocolError, match="malformed"):
+        protocol.parse_server(frame)

@@ -5,6 +5,7 @@
 - ``messages``: the message types;
 - ``fields``: one field's value checked (shared by parsing and the checked encoders);
 - ``parse``: frames to messages, strictly (``parse_client``, ``parse_server``);
+- ``fast``: msgspec decoders of the hottest frames (``results``, ``jobs``), which ``parse`` tries first;
 - ``frames``: messages to frames (``encode``), the fast encoders, frame packing;
 - ``slots``: how busy an agent's slots keep (its count, its reports, the server's window);
 - ``ledger``: what one agent connection holds and may take (credit, devices, usage);

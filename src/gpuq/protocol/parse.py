@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 from gpuq.kinds import KIND_RULE, is_kind
+from gpuq.protocol import fast
 from gpuq.protocol import messages as m
 from gpuq.protocol.codes import (
     BATCH_SINCE,
@@ -74,7 +75,15 @@ FAULT_SOURCES = ("handler", "xid", "ecc")  # what saw a device fault: the handle
 
 
 def parse_client(frame: str | bytes, max_size: int) -> m.ClientMessage:
-    """Parse one frame from an agent, or raise ``ProtocolError``."""
+    """Parse one frame from an agent, or raise ``ProtocolError``: outcomes by ``fast`` (the same
+    message), anything it does not take (every error too) by ``parse_client_slow``."""
+    if type(frame) is str and len(frame) <= max_size and (msg := fast.client_message(frame)) is not None:
+        return msg
+    return parse_client_slow(frame, max_size)
+
+
+def parse_client_slow(frame: str | bytes, max_size: int) -> m.ClientMessage:
+    """Parse one frame from an agent with ``json`` and the checks here, or raise ``ProtocolError``."""
     if isinstance(frame, bytes):
         raise ProtocolError(BAD_MESSAGE, "binary frames are not supported; send JSON text", fatal=True,
                             close=CloseCode.UNSUPPORTED_DATA)
@@ -268,7 +277,15 @@ def _hello(obj: dict[str, Any]) -> m.Hello:
 
 
 def parse_server(frame: str | bytes) -> m.ServerMessage:
-    """Parse one frame from the server (the agent side); ``ProtocolError`` if malformed."""
+    """Parse one frame from the server (the agent side); ``ProtocolError`` if malformed. ``jobs`` by
+    ``fast`` (the same message), anything it does not take by ``parse_server_slow``."""
+    if type(frame) is str and (msg := fast.server_jobs(frame)) is not None:
+        return msg
+    return parse_server_slow(frame)
+
+
+def parse_server_slow(frame: str | bytes) -> m.ServerMessage:
+    """Parse one frame from the server with ``json`` and the checks here; ``ProtocolError`` if malformed."""
     if isinstance(frame, bytes):
         raise ProtocolError(BAD_MESSAGE, "binary frame from the server")
     obj = load(frame)
@@ -305,7 +322,7 @@ def parse_server(frame: str | bytes) -> m.ServerMessage:
                     or not 0 <= seconds <= MAX_PREEMPT_SECONDS:
                 raise ValueError(f"preempt.deadline_seconds must be a number 0-{MAX_PREEMPT_SECONDS:g}")
             return m.Preempt(tuple(job_id(i) for i in ids), float(seconds))
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(1e400), float(10**400)
         raise ProtocolError(BAD_MESSAGE, f"malformed {kind} message from the server: {exc}") from None
     raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r} from the server")
 
