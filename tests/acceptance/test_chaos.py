@@ -19,6 +19,15 @@ from gpuq import queue
 from gpuq.bench.chaos import ChaosConfig, install_witness, read_executions, run_chaos, witness
 
 
+@pytest.fixture(autouse=True)
+def agents_stop_within_a_deadline(monkeypatch):
+    """The agent processes inherit a stop deadline (as in ``gpuq bench failover``): at the end each
+    is stopped with SIGTERM, one after another, and one that lived through its serve's SIGKILL may
+    wait for ever on jobs its lost connection took (a known agent bug), until the run SIGKILLs it
+    20 s later. The verdict is read before: the deadline changes nothing it counts."""
+    monkeypatch.setenv("GPUQ_AGENT_DRAIN_SECONDS", "3")
+
+
 async def test_witness_sees_a_double_completion_and_a_foreign_result(dsn):
     conn = await asyncpg.connect(dsn)
     try:
