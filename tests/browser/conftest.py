@@ -40,6 +40,9 @@ def chrome() -> Iterator[object]:
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
                 "--window-size=1400,900", "--no-first-run", "--disable-extensions"):
         options.add_argument(arg)  # --no-sandbox: the suite may run as root
+    # No speculative connections: the server's shutdown at each test's end waits for a socket
+    # Chromium opened ahead and sent nothing on (websockets' 10 s open timeout).
+    options.add_experimental_option("prefs", {"net.network_prediction_options": 2})
     driver = webdriver.Chrome(service=Service(driver_path), options=options)
     driver.set_page_load_timeout(20)
     try:
