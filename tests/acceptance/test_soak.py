@@ -47,7 +47,7 @@ async def test_soak_20s_memory_levels_off_and_no_errors(dsn):
 
 
 def test_soak_cli_prints_its_json_last(server_dsn):
-    res = subprocess.run([sys.executable, "-m", "gpuq.bench.soak", "--seconds", "5", "--rate", "100",
+    res = subprocess.run([sys.executable, "-m", "gpuq.bench.soak", "--seconds", "3", "--rate", "100",
                           "--agents", "1", "--sample-seconds", "0.5", "--database-url", server_dsn, "--yes"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
