@@ -5,9 +5,10 @@ except under CI=true, where a missing browser is a failure (.ci/run installs
 it). Each test's screenshots go to ``SCREENSHOTS`` (the best are copied to docs/).
 """
 
+import contextlib
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,8 @@ def chromium() -> Iterator[object]:
     options = webdriver.ChromeOptions()
     options.binary_location = browser
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                f"--window-size={WINDOW[0]},{WINDOW[1]}", "--no-first-run", "--disable-extensions"):
+                f"--window-size={WINDOW[0]},{WINDOW[1]}", "--no-first-run", "--disable-extensions",
+                "--enable-net-benchmarking"):  # chrome.benchmarking.closeConnections(): dashboard_server
         options.add_argument(arg)  # --no-sandbox: the suite may run as root
     # No speculative connections: the server's shutdown at each test's end waits for a socket
     # Chromium opened ahead and sent nothing on (websockets' 10 s open timeout).
@@ -66,6 +68,24 @@ def chrome(chromium: Any) -> Iterator[object]:
     chromium.execute_cdp_cmd("Network.clearBrowserCookies", {})
     chromium.set_window_size(*WINDOW)
     yield chromium
+
+
+@contextlib.asynccontextmanager
+async def dashboard_server(chrome: Any, dsn: str, **overrides: Any) -> AsyncIterator[Any]:
+    """``running_server`` for a browser test: before the server stops, the browser leaves its page
+    (the live socket goes with it) and closes its connections. Chromium keeps each HTTP connection
+    for another request, though the server answered it and closed its side (it serves one request
+    a connection), and the server's shutdown waited up to 10 s for each one (its close timeout)."""
+    import anyio
+
+    from gpuq.harness import running_server
+
+    async with running_server(dsn, **overrides) as srv:
+        try:
+            yield srv
+        finally:
+            await anyio.to_thread.run_sync(chrome.get, "about:blank")
+            await anyio.to_thread.run_sync(chrome.execute_script, "chrome.benchmarking.closeConnections()")
 
 
 def screenshot(driver: object, name: str) -> Path:
