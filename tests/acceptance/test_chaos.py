@@ -25,7 +25,7 @@ def agents_stop_within_a_deadline(monkeypatch):
     is stopped with SIGTERM, one after another, and one that lived through its serve's SIGKILL may
     wait for ever on jobs its lost connection took (a known agent bug), until the run SIGKILLs it
     20 s later. The verdict is read before: the deadline changes nothing it counts."""
-    monkeypatch.setenv("GPUQ_AGENT_DRAIN_SECONDS", "3")
+    monkeypatch.setenv("GPUQ_AGENT_DRAIN_SECONDS", "1")
 
 
 async def test_witness_sees_a_double_completion_and_a_foreign_result(dsn):
