@@ -151,7 +151,7 @@ def test_placement_over_two_serves_json(server_dsn: str, capsys: pytest.CaptureF
 
 
 def test_fairness_json(server_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
-    got = run_bench(capsys, server_dsn, "fairness", "--seconds", "1", "--window", "1", "--flood", "300",
+    got = run_bench(capsys, server_dsn, "fairness", "--seconds", "1", "--window", "0.5", "--flood", "300",
                     "--tenants", "20", "--leases", "10")
     assert {"trickle_p99_wait_ms", "fifo_trickle_p99_wait_ms", "share_error_max", "share_error_mixed_max",
             "idle_tenant_utilisation", "jain_1000", "lease_p99_ratio_1000"} <= got.keys()
@@ -189,8 +189,8 @@ def test_failover_json(capsys: pytest.CaptureFixture[str]) -> None:
     need_replica_tools()
     parser = argparse.ArgumentParser(prog="gpuq bench")
     bench.register(parser)
-    args = parser.parse_args(["failover", "--variants", "sync,readonly", "--seconds", "5", "--rate", "20",
-                              "--waiters", "2", "--wait-timeout", "15", "--drain-timeout", "20"])
+    args = parser.parse_args(["failover", "--variants", "sync,readonly", "--seconds", "3", "--promote-after", "1",
+                              "--rate", "20", "--waiters", "2", "--wait-timeout", "15", "--drain-timeout", "20"])
     code = args.bench(args)
     out = capsys.readouterr().out
     got = json.loads(out.rstrip("\n").splitlines()[-1])

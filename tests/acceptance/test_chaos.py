@@ -19,6 +19,15 @@ from gpuq import queue
 from gpuq.bench.chaos import ChaosConfig, install_witness, read_executions, run_chaos, witness
 
 
+@pytest.fixture(autouse=True)
+def agents_stop_within_a_deadline(monkeypatch):
+    """The agent processes inherit a stop deadline (as in ``gpuq bench failover``): at the end each
+    is stopped with SIGTERM, one after another, and one that lived through its serve's SIGKILL may
+    wait for ever on jobs its lost connection took (a known agent bug), until the run SIGKILLs it
+    20 s later. The verdict is read before: the deadline changes nothing it counts."""
+    monkeypatch.setenv("GPUQ_AGENT_DRAIN_SECONDS", "1")
+
+
 async def test_witness_sees_a_double_completion_and_a_foreign_result(dsn):
     conn = await asyncpg.connect(dsn)
     try:
@@ -95,13 +104,13 @@ async def test_chaos_with_preemption_loses_nothing_and_completes_nothing_twice(d
 def test_chaos_cli_prints_its_json_last(cluster):
     if cluster is None:
         pytest.skip("the CLI variant starts its own embedded cluster")
-    res = subprocess.run([sys.executable, "-m", "gpuq.bench.chaos", "--jobs", "300", "--seconds", "4",
+    res = subprocess.run([sys.executable, "-m", "gpuq.bench.chaos", "--jobs", "200", "--seconds", "3",
                           "--agents", "2", "--dispatcher-kills", "1", "--seed", "1"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     got = json.loads(res.stdout.rstrip("\n").splitlines()[-1])
     assert {"bench", "jobs", "done", "lost", "dead", "double_completed", "wrong_result",
             "duplicate_executions", "agent_kills", "dispatcher_kills", "pg_restarts", "seconds"} <= got.keys()
-    assert got["bench"] == "chaos" and got["jobs"] == 300 and got["lost"] == 0
+    assert got["bench"] == "chaos" and got["jobs"] == 200 and got["lost"] == 0
     assert got["double_completed"] == 0 and got["pg_restarts"] == 1 and got["dispatcher_kills"] == 1
     assert "VERDICT: OK" in res.stdout

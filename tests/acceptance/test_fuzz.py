@@ -1,8 +1,8 @@
-"""Protocol fuzzing with hypothesis against a live server: 2,000 frames in the suite."""
+"""Protocol fuzzing with hypothesis against a live server: 1,000 frames in the suite."""
 
 from gpuq.bench import fuzz
 
-EXAMPLES = 1500
+EXAMPLES = 1000
 
 
 def test_fuzzed_frames_are_all_answered_and_change_no_job(dsn):

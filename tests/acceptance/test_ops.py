@@ -84,7 +84,7 @@ def test_gpuq_dev_runs_end_to_end_from_a_clean_directory(tmp_path):
     # pytest's tmp_path is mode 700: as root, the server user cannot reach it,
     # so this also covers the fallback of the data to /var/tmp (symlinked).
     data = tmp_path / "dot-gpuq"
-    res = subprocess.run([sys.executable, "-m", "gpuq.cli", "dev", "--duration", "6", "--port", "0",
+    res = subprocess.run([sys.executable, "-m", "gpuq.cli", "dev", "--duration", "3", "--port", "0",
                           "--agents", "2", "--rate", "40", "--data-dir", str(data)],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -94,7 +94,7 @@ def test_gpuq_dev_runs_end_to_end_from_a_clean_directory(tmp_path):
     assert "t=" in res.stdout and "agents 2" in res.stdout  # live progress lines
     assert "/ui  (admin token " in res.stdout  # the dashboard is on, with a token of its own
     assert (data / "pgdata" / "PG_VERSION").exists()  # data kept for the next run
-    again = subprocess.run([sys.executable, "-m", "gpuq.cli", "dev", "--duration", "2", "--port", "0",
+    again = subprocess.run([sys.executable, "-m", "gpuq.cli", "dev", "--duration", "1", "--port", "0",
                             "--data-dir", str(data)], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "migrations: up to date" in again.stdout  # the same cluster, reused
     if (data / "pgdata").is_symlink():

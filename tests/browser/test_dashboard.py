@@ -5,9 +5,8 @@ from selenium.common.exceptions import NoSuchElementException, StaleElementRefer
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
-from gpuq.harness import running_server
 from gpuq.jobs import NewJob
-from tests.browser.conftest import screenshot
+from tests.browser.conftest import dashboard_server, screenshot
 from tests.helpers import dispatcher_idle
 
 READ, ADMIN = "read-secret-1", "admin-secret-1"
@@ -98,12 +97,12 @@ async def test_log_in_with_a_wrong_token_then_a_right_one(chrome, dsn):
         assert chrome.find_element(By.CSS_SELECTOR, ".role").text == "read-only"
         assert chrome.execute_script("return document.cookie") == ""  # HttpOnly: no script reads it
 
-    async with running_server(dsn, **UI) as srv:
+    async with dashboard_server(chrome, dsn, **UI) as srv:
         await browse(steps, srv.http)
 
 
 async def test_an_agent_connecting_shows_up_without_a_reload(chrome, dsn):
-    async with running_server(dsn, **UI) as srv:
+    async with dashboard_server(chrome, dsn, **UI) as srv:
         await browse(log_in, chrome, srv.http, ADMIN)
         await browse(chrome.get, f"{srv.http}/ui/agents")
         await browse(until, chrome, lambda d: "no agent connected" in d.find_element(By.ID, "agents").text)
@@ -121,7 +120,7 @@ async def test_jobs_enqueued_then_completed_move_through_the_overview(chrome, ds
         await anyio.sleep(0.02)  # not a settle wait: the backlog drains over a few samples, for the chart
 
     # The charts' queue depth is the census's (GPUQ_METRICS_SAMPLE_SECONDS): as often as the charts.
-    async with running_server(dsn, ui_sample_seconds=0.25, metrics_sample_seconds=0.25, **UI) as srv:
+    async with dashboard_server(chrome, dsn, ui_sample_seconds=0.25, metrics_sample_seconds=0.25, **UI) as srv:
         await browse(log_in, chrome, srv.http, READ)
         await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'render' FROM generate_series(1, 400)")
         await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'embed' FROM generate_series(1, 30)")
@@ -140,7 +139,7 @@ async def test_jobs_enqueued_then_completed_move_through_the_overview(chrome, ds
 
 async def test_pause_a_kind_and_see_nothing_of_it_leased_then_resume(chrome, dsn, pool):
     row = "tr[data-kind='batch']"
-    async with running_server(dsn, **UI) as srv:
+    async with dashboard_server(chrome, dsn, **UI) as srv:
         await pool.execute("INSERT INTO gpuq.jobs (kind) SELECT 'batch' FROM generate_series(1, 5)")
         await browse(log_in, chrome, srv.http, ADMIN)
         await browse(until, chrome, lambda d: click(d, f"{row} button.action"))
@@ -167,7 +166,7 @@ async def test_open_a_failed_job_see_why_and_retry_it(chrome, dsn, pool):
             code["train"](job)
         return {"loss": 0.25}
 
-    async with running_server(dsn, **UI) as srv:
+    async with dashboard_server(chrome, dsn, **UI) as srv:
         [job_id] = await queue.enqueue_many(pool, [NewJob("finetune", {"model": "llama-8b", "lr": 3e-4},
                                                                 max_attempts=1, dedup_key="ft-42")])
         await srv.agent(["finetune"], 1, flaky, "gpu-box-3")
@@ -199,7 +198,7 @@ HOSTILE = ["<script>window.pwned = 1</script>", "\"><img src=x onerror=\"window.
 async def test_hostile_payloads_and_errors_show_as_text(chrome, dsn, pool):
     from gpuq import queue
 
-    async with running_server(dsn, **UI) as srv:
+    async with dashboard_server(chrome, dsn, **UI) as srv:
         ids = await queue.enqueue_many(pool, [NewJob("ingest", {"text": h, h: "key"}, max_attempts=1)
                                               for h in HOSTILE])
         got = await queue.lease(pool, ["ingest"], 3, "box#1", 30.0)
@@ -254,7 +253,7 @@ async def test_an_admin_adds_a_periodic_job_and_sets_a_limit_and_a_batching_poli
         until(chrome, lambda d: d.find_elements(By.CSS_SELECTOR, "tr[data-batching='embed']"))  # the live table
         screenshot(chrome, "controls")
 
-    async with running_server(dsn, **UI) as srv:
+    async with dashboard_server(chrome, dsn, **UI) as srv:
         await browse(steps, srv.http)
     assert await pool.fetchval("SELECT max_running FROM gpuq.limits WHERE name = 'train'") == 3
     assert await pool.fetchval("SELECT cron FROM gpuq.schedules WHERE name = 'nightly-eval'") == "0 3 * * *"

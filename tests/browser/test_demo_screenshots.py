@@ -12,8 +12,7 @@ import pytest
 from selenium.webdriver.common.by import By
 
 from gpuq import demomix
-from gpuq.harness import running_server
-from tests.browser.conftest import screenshot
+from tests.browser.conftest import dashboard_server, screenshot
 from tests.browser.test_dashboard import READ, UI, browse, log_in, samples, until
 from tests.helpers import count, wait_for
 
@@ -34,7 +33,7 @@ def shows_the_gpu_story(driver) -> bool:
 async def test_the_demo_fills_the_overview_and_the_agents_page(chrome, dsn, pool):
     await demomix.setup(pool)
     producer = demomix.Producer(pool, demomix.Mix(20, 0.05, demomix.fleet(3)))
-    async with running_server(dsn, ui_sample_seconds=SAMPLE_SECONDS, drain_seconds=0.1, **UI) as srv:
+    async with dashboard_server(chrome, dsn, ui_sample_seconds=SAMPLE_SECONDS, drain_seconds=0.1, **UI) as srv:
         for i in range(3):
             await srv.agent(**demomix.agent_kwargs(i, 4))
         srv.tg.start_soon(producer.run, srv.stop)

@@ -272,7 +272,7 @@ async def test_a_job_waiting_in_a_partial_batch_goes_one_by_one_once_the_policy_
 
     await admin.set_batching(live_conn, "embed", 8, max_wait_ms=600_000)  # a partial batch waits
     calls: list = []
-    async with running_server(dsn, poll_seconds=60, tuning=Tuning(shapes_seconds=2)) as srv:
+    async with running_server(dsn, poll_seconds=60, tuning=Tuning(shapes_seconds=1)) as srv:
         await srv.agent(["embed"], 1, None, "batcher", batch_handler=batch_recorder(calls))
         job = await enqueue(live_conn, "embed", {"i": 1})
         await admin.set_batching(live_conn, "embed", None)  # within the throttle: read a little later

@@ -251,7 +251,9 @@ async def test_a_quarantine_whose_notification_was_missed_is_read_again_soon(dsn
     async def noop(job):
         return None
 
-    async with running_server(dsn, poll_seconds=60) as srv:
+    from gpuq.dispatcher.tuning import Tuning
+
+    async with running_server(dsn, poll_seconds=60, tuning=Tuning(fleet_refresh_seconds=0.5)) as srv:
         await srv.agent(["train"], 1, noop, "box", devices=H100S)
         # As if the notification were lost (LISTEN down, or a server that only polls): none is sent.
         await live_conn.execute("INSERT INTO gpuq.quarantined_devices (agent, device, reason) VALUES ('box', 1, 'x')")
@@ -259,4 +261,4 @@ async def test_a_quarantine_whose_notification_was_missed_is_read_again_soon(dsn
         async def read() -> bool:
             return (await status(srv))["agents"][0]["devices"][1]["quarantined"] == "x"
 
-        await wait_for(read)  # within fleet_refresh_seconds (2 s)
+        await wait_for(read)  # within fleet_refresh_seconds (0.5 s here, 2 s by default)

@@ -60,7 +60,7 @@ async def test_nothing_is_visible_without_a_dashboard_token(dsn):
 
 
 async def test_a_session_cookie_is_http_only_and_strict_and_opens_the_pages(dsn, pool):
-    async with running_server(dsn, **UI) as srv:
+    async with running_server(dsn, drain_seconds=0.1, **UI) as srv:  # box-1's job runs on: no 5 s drain
         await pool.execute("INSERT INTO gpuq.jobs (kind) VALUES ('embed'), ('embed'), ('train')")
         await srv.agent(["embed"], 2, _never, "box-1")
         status, headers, _ = await request(srv.port, "POST", "/ui/login",
@@ -335,7 +335,7 @@ async def test_the_agents_page_links_the_job_each_gpu_runs(dsn, pool):
         started.set()
         await anyio.sleep(30)  # not a settle wait: the job runs while the page is read
 
-    async with running_server(dsn, **UI) as srv:
+    async with running_server(dsn, drain_seconds=0.1, **UI) as srv:
         await srv.agent(["train"], 2, train, "gpu-box", devices=(Device(0, "H100", 81559), Device(1, "H100", 81559)))
         job_id = await enqueue(pool, "train", {}, gpus=1)
         with anyio.fail_after(10):
