@@ -232,3 +232,48 @@ async def test_a_result_postgres_cannot_store_fails_the_job_for_good(dsn, pool):
         await wait_status(pool, jid, "dead", timeout=10)
     row = await pool.fetchrow("SELECT attempts, last_error FROM gpuq.jobs WHERE id = $1", jid)
     assert row["attempts"] == 1 and "U+0000" in row["last_error"]
+
+
+async def test_jobs_whose_connection_dropped_are_not_running_after_it_and_stop_returns():
+    """An async handler is stopped with the connection that pushed its job, and the server takes
+    the job back: the agent must forget it. Before, it stayed ``running`` for ever: every heartbeat
+    named it and ``stop()`` without a deadline waited on it and never returned."""
+    from websockets.asyncio.server import serve
+
+    sessions: list[object] = []
+    started: list[int] = []
+    both_started, reconnected = anyio.Event(), anyio.Event()
+
+    async def peer(ws):
+        sessions.append(ws)
+        hello = json.loads(await ws.recv())
+        await ws.send(json.dumps({"type": "welcome", "agent_id": f"{hello['agent']}#{len(sessions)}",
+                                  "protocol": 1, "lease_seconds": 60, "heartbeat_seconds": 30,
+                                  "max_payload": 1 << 20}))
+        if len(sessions) == 1:
+            await ws.send(json.dumps({"type": "jobs", "jobs": [
+                {"id": i, "lease_token": f"00000000-0000-0000-0000-{i:012d}", "kind": "embed", "payload": i,
+                 "attempt": 1} for i in (1, 2)]}))
+            await both_started.wait()
+            ws.transport.abort()  # dropped: no close handshake
+            return
+        reconnected.set()
+        async for _ in ws:
+            pass
+
+    async def handle(job):
+        started.append(job.id)
+        if len(started) == 2:
+            both_started.set()
+        await anyio.sleep(60)  # runs until its connection's end stops it
+
+    async with serve(peer, "127.0.0.1", 0) as server:
+        port = next(iter(server.sockets)).getsockname()[1]
+        agent = Agent(f"ws://127.0.0.1:{port}/agent", TOKEN, ["embed"], 4, handle, "dropped")
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(agent.run)
+                await reconnected.wait()
+                assert sorted(started) == [1, 2]
+                await wait_for(lambda: not agent.protocol.running)
+                agent.stop()  # no deadline: returns once nothing runs or waits unreported

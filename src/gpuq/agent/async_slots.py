@@ -54,6 +54,9 @@ class AsyncSlots(Slots):
             try:
                 if not self.ended_before_start(job):
                     await (self._run_batch(job) if batched else self._run_job(job))
+            except asyncio.CancelledError:  # its connection ended (a cancel or preempt does not get here)
+                self.protocol.job_abandoned(job)
+                raise
             finally:
                 self._tasks.pop(job.id, None)
             job = self.next_in_slot(job, None)

@@ -334,6 +334,14 @@ class AgentProtocol(Yielding):
     def job_failed(self, job: JobMessage, error: str, retryable: bool) -> None:
         self._finish(job, encode(Failed(job.id, job.lease_token, error, retryable)))
 
+    def job_abandoned(self, job: Unit) -> None:
+        """Its handler was stopped with the connection that pushed it: the server took it back, so
+        nothing is reported and it is not running here any more (a stop would wait for it, and each
+        heartbeat would name it)."""
+        for job_id in job_ids(job):
+            self.running.pop(job_id, None)
+            self._progress.pop(job_id, None)
+
     def _finish(self, job: JobMessage, item: str) -> None:
         self.running.pop(job.id, None)
         self._progress.pop(job.id, None)  # the outcome says more
