@@ -60,9 +60,9 @@ async def test_a_draining_agent_gives_back_its_ready_job_at_once(dsn, pool):
 async def test_a_cancelled_prefetched_job_never_starts(dsn, pool):
     ran: list[int] = []
     release = anyio.Event()
-    # Heartbeats every 0.5 s (not 5): the agent sends its report of the job it ended unstarted
-    # with its next frame, which, while its running job holds on, is a heartbeat.
-    async with running_server(dsn, lease_seconds=300, heartbeat_seconds=0.5) as srv:
+    # Heartbeats every 60 s: the agent must send its report of the job it ended unstarted at once,
+    # not with its next frame (while its running job holds on, that was the next heartbeat).
+    async with running_server(dsn, lease_seconds=300, heartbeat_seconds=60) as srv:
         first, second = await _jobs(pool, 2)
         await srv.agent(["embed"], 1, _blocking(ran, release), "a", prefetch=1)
         await wait_for(lambda: _holds(srv, 2))

@@ -263,8 +263,9 @@ class Agent:
                 tg.start_soon(self._slots.run_jobs, list(msg.jobs))
             elif isinstance(msg, Ack) and msg.rejected:
                 log.warning("agent.results_rejected", agent=self.name, job_ids=list(msg.rejected))
-            elif isinstance(msg, Cancel):
+            elif isinstance(msg, Cancel):  # a ready job it names ended here: its report goes now
                 self._cancel(msg.ids)
+                self._ready.set()
             elif isinstance(msg, Preempt):  # the protocol marked them; jobs held ready went back (release)
                 self._slots.preempt(msg.ids, msg.deadline_seconds)
                 self._ready.set()
