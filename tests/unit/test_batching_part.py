@@ -64,3 +64,16 @@ async def test_a_due_partial_batch_that_no_free_credit_can_take_wakes_nothing():
     d.sessions = sessions(busy, idle)
     assert [jobs async for jobs in d.batching.lease(d.sessions, Pass(), lambda: False)] == []
     assert d.batching.wait_left(d.sessions) is None
+
+
+async def test_a_commit_of_outcomes_gives_a_kind_a_limit_held_back_another_look():
+    """The agents' freed credit comes before the completer's commit frees a limit: a look then finds
+    the key still full and sends nothing. The commit must wake the kind again (before, it waited
+    for the next poll)."""
+    d = dispatcher(embed=Policy(8))
+    d.batching._short.add("embed")
+    d._outcomes_written()
+    assert "embed" in d.batching._short and not d.trigger._wake.is_set()  # no limit: nothing held it
+    d.placing._key_limits = True
+    d._outcomes_written()
+    assert "embed" not in d.batching._short and d.trigger._wake.is_set()

@@ -106,6 +106,14 @@ class Batching:
                     self._short.add(kind)  # all it had went
                 return
 
+    def outcomes_written(self, may_limit: Callable[[str], bool]) -> bool:
+        """Jobs ended in the database: a batched kind whose last look sent nothing while a limit
+        may have held its jobs back looks again (its agents' freed credit came before the commit
+        that frees the limit). True if one may: a pass is due."""
+        held = {kind for kind in self._short if may_limit(kind)}
+        self._short -= held
+        return bool(held)
+
     def wait_left(self, sessions: Sessions) -> float | None:
         """Seconds until a partial batch may go, or a throttled read of the policies is due, while an
         agent that takes batches is connected (None: nothing waits)."""

@@ -180,7 +180,10 @@ class Dispatcher:
         self.groups.cursors.announced(kind, top)
 
     def _outcomes_written(self) -> None:
-        if self.placing.outcomes_written():
+        """Limits the ended jobs held may have room again: shapes and batched kinds that came up
+        short while they were full look again."""
+        placed = self.placing.outcomes_written()
+        if self.batching.outcomes_written(self.placing.may_limit) or placed:
             self.trigger.wake()
 
     # -- the loop ------------------------------------------------------------

@@ -266,6 +266,10 @@ class Placing:
         self._short -= held
         return bool(held)
 
+    def may_limit(self, kind: str) -> bool:
+        """Whether a limit may hold some of ``kind``'s jobs back (a kind limit, or any key limit)."""
+        return kind in self._limited_kinds or self._key_limits
+
     def _limited(self, shape: Shape) -> bool:
         """Whether a limit may hold the shape's jobs back: they go through lease_limited."""
         return shape.kind in self._limited_kinds or (shape.keyed and self._key_limits)
