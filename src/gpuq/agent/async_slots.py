@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 
 class AsyncSlots(Slots):
+    handlers_end_with_session = True  # cancelled with their connection's task group
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._tasks: dict[int, asyncio.Task[None]] = {}  # job id -> its slot's task
@@ -54,9 +55,6 @@ class AsyncSlots(Slots):
             try:
                 if not self.ended_before_start(job):
                     await (self._run_batch(job) if batched else self._run_job(job))
-            except asyncio.CancelledError:  # its connection ended (a cancel or preempt does not get here)
-                self.protocol.job_abandoned(job)
-                raise
             finally:
                 self._tasks.pop(job.id, None)
             job = self.next_in_slot(job, None)

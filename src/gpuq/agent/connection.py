@@ -218,8 +218,8 @@ class Agent:
     async def _connection(self) -> None:
         try:
             await self._session()
-        finally:
-            self.protocol.connection_lost()
+        finally:  # the server takes back what it has not seen reported
+            self.protocol.connection_lost(self._slots.handlers_end_with_session)
 
     async def _session(self) -> None:
         try:

@@ -25,6 +25,9 @@ class Slots(abc.ABC):
     protocol; ``wake`` tells the connection it has frames to send. A batch goes to ``batch_handler``;
     a single job to ``handler``, or, when there is none, to ``batch_handler`` as a batch of one."""
 
+    # Whether a running handler ends with its connection (else it runs on, and reports once back).
+    handlers_end_with_session = False
+
     def __init__(self, agent_protocol: AgentProtocol, handler: Handler | None, wake: Callable[[], None],
                  report_progress: Callable[[int, str], None], batch_handler: BatchHandler | None = None,
                  checkpoint: Callable[[int, str, str], Receipt] | None = None):

@@ -160,13 +160,13 @@ class AgentProtocol(Yielding):
         self.state = State.AWAITING_WELCOME
         self._control, self._outcomes = [encode(self.hello)], []
 
-    def connection_lost(self) -> None:
-        """The server took back every job it had not seen reported; the ready ones are not ours now
-        (the running ones' handlers are stopped by the I/O layer)."""
+    def connection_lost(self, handlers_stopped: bool = False) -> None:
+        """The server took back every job it had not seen reported; the ready ones are not ours now,
+        nor, with ``handlers_stopped`` (async handlers end with their connection), the running ones."""
         self.state = State.DISCONNECTED
-        for unit in self.waiting:
-            for job_id in job_ids(unit):
-                self.running.pop(job_id, None)
+        for job_id in list(self.running) if handlers_stopped else [i for u in self.waiting for i in job_ids(u)]:
+            self.running.pop(job_id, None)
+            self._progress.pop(job_id, None)
         self.checkpoints.lost(job.lease_token for job in self.running.values())
         self.ready.clear()
         self.ready_gpu = []
@@ -333,14 +333,6 @@ class AgentProtocol(Yielding):
 
     def job_failed(self, job: JobMessage, error: str, retryable: bool) -> None:
         self._finish(job, encode(Failed(job.id, job.lease_token, error, retryable)))
-
-    def job_abandoned(self, job: Unit) -> None:
-        """Its handler was stopped with the connection that pushed it: the server took it back, so
-        nothing is reported and it is not running here any more (a stop would wait for it, and each
-        heartbeat would name it)."""
-        for job_id in job_ids(job):
-            self.running.pop(job_id, None)
-            self._progress.pop(job_id, None)
 
     def _finish(self, job: JobMessage, item: str) -> None:
         self.running.pop(job.id, None)
