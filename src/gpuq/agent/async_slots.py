@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 class AsyncSlots(Slots):
     handlers_end_with_session = True  # cancelled with their connection's task group
+
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._tasks: dict[int, asyncio.Task[None]] = {}  # job id -> its slot's task

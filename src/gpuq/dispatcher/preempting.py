@@ -23,6 +23,7 @@ come before the placed ones in a pass. The ask is ``gpuq.preempt``, as
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -173,18 +174,20 @@ class Preempting:
 
 def _box(session: AgentSession, shape: Shape | None, views: dict[int, preemption.Held]) -> preemption.Box:
     """The agent as preemption sees it: its devices with enough memory for the shape (any shape:
-    all), quarantined ones left out, and the jobs on its devices (what the database did not say of one, a job that just ended:
-    not preemptible)."""
+    all), quarantined ones left out, and the jobs on its devices."""
     ledger = session.protocol.ledger
     least = (shape.gpu_memory_mb or 0) if shape is not None else 0
     fitting = tuple(d.index for d in session.devices if d.memory_mb >= least and d.index not in ledger.quarantined)
     started = set(ledger.started_ids())
-    held = []
-    for job_id, devices in ledger.devices_in_use.items():
-        seen = views.get(job_id) or preemption.Held(job_id, (), False)
-        held.append(preemption.Held(job_id, devices, job_id in started, seen.preemptible, seen.priority,
-                                    seen.ran_seconds, seen.yielding))
-    return preemption.Box(session.id, fitting, tuple(held))
+    held = tuple(_seen(job_id, devices, job_id in started, views) for job_id, devices in ledger.devices_in_use.items())
+    return preemption.Box(session.id, fitting, held)
+
+
+def _seen(job_id: int, devices: tuple[int, ...], started: bool, views: dict[int, preemption.Held]) -> preemption.Held:
+    """A job an agent here holds, with what the database said of it (nothing, for a job that just
+    ended: not preemptible)."""
+    seen = views.get(job_id) or preemption.Held(job_id, (), False)
+    return dataclasses.replace(seen, devices=devices, started=started)
 
 
 def _full_kinds(agents: Sessions) -> set[str]:
@@ -215,11 +218,5 @@ def _slots_box(session: AgentSession, views: dict[int, preemption.Held]) -> pree
     devices (what the database did not say of one: not preemptible)."""
     ledger = session.protocol.ledger
     started = set(ledger.started_ids())
-    held = []
-    for job_id in ledger.held:
-        if job_id in ledger.devices_in_use:
-            continue
-        seen = views.get(job_id) or preemption.Held(job_id, (), False)
-        held.append(preemption.Held(job_id, (), job_id in started, seen.preemptible, seen.priority,
-                                    seen.ran_seconds, seen.yielding))
-    return preemption.Box(session.id, (), tuple(held), slots=session.free)
+    held = tuple(_seen(job_id, (), job_id in started, views) for job_id in ledger.held if job_id not in ledger.devices_in_use)
+    return preemption.Box(session.id, (), held, slots=session.free)
