@@ -259,6 +259,7 @@ async def test_a_quarantine_whose_notification_was_missed_is_read_again_soon(dsn
         await live_conn.execute("INSERT INTO gpuq.quarantined_devices (agent, device, reason) VALUES ('box', 1, 'x')")
 
         async def read() -> bool:
-            return (await status(srv))["agents"][0]["devices"][1]["quarantined"] == "x"
+            agents = (await status(srv))["agents"]  # the agent may not be listed yet
+            return bool(agents) and agents[0]["devices"][1]["quarantined"] == "x"
 
         await wait_for(read)  # within fleet_refresh_seconds (0.5 s here, 2 s by default)
